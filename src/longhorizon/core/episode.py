@@ -1,0 +1,220 @@
+"""`EpisodeBatch`: the fixed-shape, token-exact record of a batch of multi-turn episodes.
+
+One row per episode. `L` is the context budget (tokens), `S` the maximum number of environment steps.
+The rollout loop writes it, filters and reward code read it, the learner trains on it. Tokens are the
+exact ids the policy saw and produced; nothing is re-tokenised from text.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Mapping
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from longhorizon.core import advantages as _advantages
+
+__all__ = ["EpisodeBatch", "Termination", "empty", "to_device", "place_step_rewards", "broadcast_steps"]
+
+# Re-exported: the two step <-> token helpers belong with the data model as much as with the math.
+place_step_rewards = _advantages.place_step_rewards
+broadcast_steps = _advantages.broadcast_steps
+
+
+class Termination(enum.IntEnum):
+  """How an episode ended (`EpisodeBatch.termination`). Kinds are kept distinct: a timeout is not a
+  failure, and an environment error is not the policy's fault (excluded from the loss)."""
+  RUNNING = 0  # not finished (only in partial batches)
+  SUCCESS = 1
+  FAILURE = 2  # the environment ended the episode unsuccessfully
+  TIMEOUT = 3  # step limit reached (truncated)
+  CONTEXT_OVERFLOW = 4  # context budget exhausted (truncated)
+  SAFETY_STOP = 5  # a safety gate was hit (terminated, hard failure)
+  ENV_ERROR = 6  # infrastructure failure (tool crash, injected fault)
+
+
+@flax.struct.dataclass
+class EpisodeBatch:
+  """A padded batch of `B` episodes. Shapes: `L` tokens (context budget), `S` environment steps."""
+  # Token level.
+  tokens: Any  # [B, L] int32 exact token ids (prompt, actions, observations, padding)
+  positions: Any  # [B, L] int32 position ids fed to the model
+  attention_mask: Any  # [B, L] bool, 1 on real tokens, 0 on padding
+  loss_mask: Any  # [B, L] bool, 1 exactly on policy-sampled tokens (incl. the turn-ending token)
+  turn: Any  # [B, L] int32 environment-step index of each token, -1 on prompt and padding
+  behavior_logprobs: Any  # [B, L] float32 sampler log-probs of sampled tokens, 0 elsewhere
+  # Step level.
+  rewards: Any  # [B, S] float32 per-step reward (composed; see reward components)
+  step_mask: Any  # [B, S] bool, 1 on steps that happened
+  anchor: Any  # [B, S] uint32 hash of the env state the step's action was taken in
+  milestones: Any  # [B, S] int32 bitmask of milestones first reached at this step (bit m = milestone m)
+  cost: Any  # [B, S] float32 cost of the step (tool/time/token cost)
+  violation: Any  # [B, S] bool, a safety gate was hit at this step
+  env_error: Any  # [B, S] bool, the environment failed at this step (not the policy's fault)
+  # Episode level.
+  group: Any  # [B] int32 task-group label (rollouts of one task share it)
+  success: Any  # [B] bool, the verifier accepted the final state
+  terminated: Any  # [B] bool, ended in a terminal state (success, failure, safety stop)
+  truncated: Any  # [B] bool, cut off (step limit, context budget); not a failure
+  termination: Any  # [B] int32 `Termination` kind
+  num_steps: Any  # [B] int32 number of steps taken (== step_mask.sum(-1))
+  score: Any  # [B] float32 episode reward used by outcome estimators (GRPO, RLOO, ...)
+  policy_version: Any  # [B] int32 version of the parameters that sampled the episode
+  env_version: Any  # [B] int32 version of the environment code/config
+  reward_version: Any  # [B] int32 version of the reward function
+  env_seed: Any  # [B] uint32 environment-dynamics seed
+  task_seed: Any  # [B] uint32 task-generation seed
+  sampling_seed: Any  # [B] uint32 policy-sampling seed
+  verifier_seed: Any  # [B] uint32 verifier seed
+  reward_components: Mapping[str, Any] = flax.struct.field(default_factory=dict)  # name -> [B] float32
+
+  @property
+  def batch_size(self) -> int:
+    return self.tokens.shape[0]
+
+  @property
+  def context_length(self) -> int:
+    return self.tokens.shape[1]
+
+  @property
+  def max_steps(self) -> int:
+    return self.rewards.shape[1]
+
+  @property
+  def trainable(self):
+    """`[B]` bool: episodes that may enter the loss (those without an environment error)."""
+    return ~jnp.any(jnp.asarray(self.env_error), axis=-1)
+
+  def token_rewards(self):
+    """`[B, L]` float32: each step's reward on the last policy token of that step."""
+    return place_step_rewards(self.rewards, self.turn, self.loss_mask)
+
+  def validate(self) -> "EpisodeBatch":
+    """Checks shapes, dtypes and the invariants between fields on the host; returns `self`.
+
+    Raises:
+      ValueError naming the first inconsistent field, what was expected and what was found.
+    """
+    fields = {name: np.asarray(getattr(self, name)) for name in _SPEC}
+    b, l = _expect_rank(fields, "tokens", 2)
+    s = _expect_rank(fields, "rewards", 2)[1]
+    dims = {"B": b, "L": l, "S": s}
+    for name, (shape, kind) in _SPEC.items():
+      want = tuple(dims[d] for d in shape)
+      got = fields[name].shape
+      if got != want:
+        raise ValueError(f"EpisodeBatch.{name}: expected shape {_fmt(shape, want)}, got {got}.")
+      if fields[name].dtype.kind not in kind:
+        raise ValueError(f"EpisodeBatch.{name}: expected dtype kind {_KIND_NAMES[kind]}, got "
+                         f"{fields[name].dtype}.")
+    for name, value in self.reward_components.items():
+      if np.shape(value) != (b,):
+        raise ValueError(f"EpisodeBatch.reward_components[{name!r}]: expected shape [B]=({b},), got "
+                         f"{np.shape(value)}.")
+    for name in ("attention_mask", "loss_mask", "step_mask", "violation", "env_error", "success",
+                 "terminated", "truncated"):
+      values = fields[name]
+      if values.dtype.kind != "b" and not np.isin(values, (0, 1)).all():
+        raise ValueError(f"EpisodeBatch.{name}: expected 0/1 values, got {np.unique(values)[:8]}.")
+    loss_mask, attention = fields["loss_mask"] != 0, fields["attention_mask"] != 0
+    turn, step_mask = fields["turn"], fields["step_mask"] != 0
+    _check(not (loss_mask & ~attention).any(), "loss_mask", "is 1 on padding (attention_mask 0)")
+    _check(((turn >= -1) & (turn < s)).all(), "turn", f"has values outside [-1, S={s})")
+    _check(not (loss_mask & (turn < 0)).any(), "loss_mask", "is 1 on tokens with turn -1")
+    _check(not (~attention & (turn >= 0)).any(), "turn", "is >= 0 on padding")
+    num_steps = fields["num_steps"]
+    _check((step_mask.sum(-1) == num_steps).all(), "num_steps", "differs from step_mask.sum(-1)")
+    _check((step_mask == (np.arange(s)[None] < num_steps[:, None])).all(), "step_mask",
+           "is not a prefix of steps (1 for the first num_steps steps, 0 after)")
+    policy_turn = np.where(loss_mask, turn, -1)
+    has_tokens = (policy_turn[:, :, None] == np.arange(s)[None, None]).any(1)  # [B, S]
+    _check(not (step_mask & ~has_tokens).any(), "step_mask", "marks a step without any policy token")
+    _check(not (~step_mask & has_tokens).any(), "turn", "puts policy tokens in a step step_mask says "
+           "did not happen")
+    _check(not (fields["terminated"] & fields["truncated"]).any(), "terminated",
+           "and truncated are both 1 in one row (they are exclusive)")
+    kinds = fields["termination"]
+    _check(np.isin(kinds, [int(k) for k in Termination]).all(), "termination",
+           f"has values outside Termination ({[int(k) for k in Termination]})")
+    _check((fields["success"] == (kinds == Termination.SUCCESS)).all(), "success",
+           "disagrees with termination == SUCCESS")
+    _check(((kinds == Termination.ENV_ERROR) <= fields["env_error"].any(-1)).all(), "termination",
+           "is ENV_ERROR in a row without any env_error step")
+    lp = fields["behavior_logprobs"]
+    _check(np.isfinite(lp).all() and (lp <= 1e-6).all(), "behavior_logprobs",
+           "has non-finite or positive values")
+    _check(not (~loss_mask & (lp != 0)).any(), "behavior_logprobs", "is non-zero off the loss_mask")
+    return self
+
+
+_KIND_NAMES = {"iu": "integer", "f": "float", "b": "bool", "biu": "bool or integer"}
+_SPEC = {
+    "tokens": (("B", "L"), "iu"),
+    "positions": (("B", "L"), "iu"),
+    "attention_mask": (("B", "L"), "biu"),
+    "loss_mask": (("B", "L"), "biu"),
+    "turn": (("B", "L"), "iu"),
+    "behavior_logprobs": (("B", "L"), "f"),
+    "rewards": (("B", "S"), "f"),
+    "step_mask": (("B", "S"), "biu"),
+    "anchor": (("B", "S"), "iu"),
+    "milestones": (("B", "S"), "iu"),
+    "cost": (("B", "S"), "f"),
+    "violation": (("B", "S"), "biu"),
+    "env_error": (("B", "S"), "biu"),
+    "group": (("B",), "iu"),
+    "success": (("B",), "biu"),
+    "terminated": (("B",), "biu"),
+    "truncated": (("B",), "biu"),
+    "termination": (("B",), "iu"),
+    "num_steps": (("B",), "iu"),
+    "score": (("B",), "f"),
+    "policy_version": (("B",), "iu"),
+    "env_version": (("B",), "iu"),
+    "reward_version": (("B",), "iu"),
+    "env_seed": (("B",), "iu"),
+    "task_seed": (("B",), "iu"),
+    "sampling_seed": (("B",), "iu"),
+    "verifier_seed": (("B",), "iu"),
+}
+
+
+def _expect_rank(fields, name, rank):
+  shape = fields[name].shape
+  if len(shape) != rank:
+    raise ValueError(f"EpisodeBatch.{name}: expected rank {rank}, got shape {shape}.")
+  return shape
+
+
+def _fmt(dims, values):
+  return "[" + ", ".join(dims) + "]=" + str(values)
+
+
+def _check(ok, field, problem):
+  if not ok:
+    raise ValueError(f"EpisodeBatch.{field} {problem}.")
+
+
+def empty(batch_size: int, context_length: int, max_steps: int) -> EpisodeBatch:
+  """An all-padding batch with the documented dtypes (rollout code fills it in)."""
+  b, l, s = batch_size, context_length, max_steps
+  z = lambda shape, dtype: np.zeros(shape, dtype)
+  return EpisodeBatch(
+      tokens=z((b, l), np.int32), positions=z((b, l), np.int32), attention_mask=z((b, l), bool),
+      loss_mask=z((b, l), bool), turn=np.full((b, l), -1, np.int32),
+      behavior_logprobs=z((b, l), np.float32), rewards=z((b, s), np.float32),
+      step_mask=z((b, s), bool), anchor=z((b, s), np.uint32), milestones=z((b, s), np.int32),
+      cost=z((b, s), np.float32), violation=z((b, s), bool), env_error=z((b, s), bool),
+      group=z((b,), np.int32), success=z((b,), bool), terminated=z((b,), bool),
+      truncated=z((b,), bool), termination=z((b,), np.int32), num_steps=z((b,), np.int32),
+      score=z((b,), np.float32), policy_version=z((b,), np.int32), env_version=z((b,), np.int32),
+      reward_version=z((b,), np.int32), env_seed=z((b,), np.uint32), task_seed=z((b,), np.uint32),
+      sampling_seed=z((b,), np.uint32), verifier_seed=z((b,), np.uint32))
+
+
+def to_device(batch: EpisodeBatch) -> EpisodeBatch:
+  """Moves every field to the default device as JAX arrays."""
+  return jax.tree_util.tree_map(jnp.asarray, batch)
