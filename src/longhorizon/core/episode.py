@@ -7,6 +7,7 @@ exact ids the policy saw and produced; nothing is re-tokenised from text.
 
 from __future__ import annotations
 
+import collections
 import enum
 from typing import Any, Mapping
 
@@ -99,9 +100,8 @@ class EpisodeBatch:
       ValueError naming the first inconsistent field, what was expected and what was found.
     """
     fields = {name: np.asarray(getattr(self, name)) for name in _SPEC}
-    b, l = _expect_rank(fields, "tokens", 2)
-    s = _expect_rank(fields, "rewards", 2)[1]
-    dims = {"B": b, "L": l, "S": s}
+    dims = _infer_dims(fields)
+    b, s = dims["B"], dims["S"]
     for name, (shape, kind) in _SPEC.items():
       want = tuple(dims[d] for d in shape)
       got = fields[name].shape
@@ -182,11 +182,17 @@ _SPEC = {
 }
 
 
-def _expect_rank(fields, name, rank):
-  shape = fields[name].shape
-  if len(shape) != rank:
-    raise ValueError(f"EpisodeBatch.{name}: expected rank {rank}, got shape {shape}.")
-  return shape
+def _infer_dims(fields):
+  """B, L and S as the sizes most fields agree on, so the one odd field is the one reported."""
+  seen = {"B": [], "L": [], "S": []}
+  for name, (dims, _) in _SPEC.items():
+    shape = fields[name].shape
+    if len(shape) != len(dims):
+      raise ValueError(f"EpisodeBatch.{name}: expected rank {len(dims)} ({_fmt(dims, '?')}), got shape "
+                       f"{shape}.")
+    for dim, size in zip(dims, shape):
+      seen[dim].append(size)
+  return {dim: collections.Counter(sizes).most_common(1)[0][0] for dim, sizes in seen.items()}
 
 
 def _fmt(dims, values):
