@@ -62,6 +62,7 @@ def get_config(arg=None):
   config.repeats = 20  # timed runs per kernel (after one warm-up/compile run); the median is reported.
   config.baseline_repeats = 5  # timed runs per baseline (slow Python/NumPy); the median is reported.
   config.check_atol = 1e-4  # baselines must match the JAX kernels to this tolerance before timing.
+  config.targets = True  # judge the DESIGN.md speedup bars (only meaningful at the full sizes).
   config.seed = 0  # NumPy seed of every synthetic input.
 
   if arg == "smoke":
@@ -80,6 +81,7 @@ def get_config(arg=None):
     config.gigpo.anchors_per_group = 4
     config.repeats = 3
     config.baseline_repeats = 2
+    config.targets = False
   elif arg not in (None, ""):
     raise ValueError(f"unknown config variant {arg!r}; expected '' or 'smoke'.")
   return config

@@ -1,0 +1,396 @@
+r"""Times every public kernel of `longhorizon.core` and checks the DESIGN.md advantage-kernel bars.
+
+  python experiments/benchmarks/kernels.py --config=configs/kernels_benchmark.py --out=results/kernels.json
+  python experiments/benchmarks/kernels.py --config=configs/kernels_benchmark.py:smoke
+
+Token-level kernels run at `[B, T]` (default 1024 x 512) on multi-turn masks (a prompt span, then
+alternating action and observation spans, padding; different per row); grpo/rloo on `N = B` scores in
+groups of 8; GiGPO at 256 groups x 8 rollouts x 20 steps. Inputs are device arrays before timing (no
+host->device copy is timed); each kernel is run once to compile, then timed `repeats` times, each run
+ending in `jax.block_until_ready`; the median is reported.
+
+Baselines in the same run, each checked against the JAX kernel (allclose, atol 1e-4) before it is
+timed so a wrong baseline cannot inflate the ratio:
+  * GAE: a NumPy reverse loop over time, vectorised over rows, on contiguous time-major arrays with
+    in-place updates (no per-step allocation), same masking semantics as `advantages.gae`.
+  * GiGPO: Python dicts keyed by group and by (group, anchor) with per-trajectory loops, the approach
+    of the reference implementation (verl-agent `gigpo/core_gigpo.py`), same semantics as
+    `advantages.gigpo`.
+Prints one table; `--out` writes the same rows as JSON.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import pathlib
+import statistics
+import time
+
+from absl import app
+from absl import flags
+from absl import logging
+import jax
+import jax.numpy as jnp
+from ml_collections import config_flags
+import numpy as np
+
+from longhorizon.core import advantages as adv_lib
+from longhorizon.core import logprobs as logprobs_lib
+from longhorizon.core import losses as losses_lib
+
+_ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", str(_ROOT / "configs" / "kernels_benchmark.py"), "Benchmark config file.",
+    lock_config=True)
+_OUT = flags.DEFINE_string("out", None, "Optional JSON path for the result rows (parents created).")
+
+# DESIGN.md "Performance bars": minimum speedup over the baseline.
+_TARGETS = {"gae": 5.0, "gigpo": 20.0}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Synthetic inputs.
+
+
+def _multiturn_layout(rng, batch, length, masks):
+  """`loss_mask[B, T]` and `turn[B, T]` of rows laid out as prompt, (action, observation)*, padding.
+
+  Every span length is drawn per row and span; a row stops at a length drawn in `[min_fill*T, T]` or
+  after `max_steps` actions. Observation tokens carry the step index of the action they answer.
+  """
+  loss_mask = np.zeros((batch, length), np.int32)
+  turn = np.full((batch, length), -1, np.int32)
+  for b in range(batch):
+    end = int(rng.integers(int(masks.min_fill * length), length + 1))
+    pos = int(rng.integers(masks.prompt_span[0], masks.prompt_span[1] + 1))
+    for step in range(masks.max_steps):
+      action = int(rng.integers(masks.action_span[0], masks.action_span[1] + 1))
+      if pos + action > end:
+        if step > 0:
+          break
+        action = max(1, end - pos)  # every row keeps at least one policy token
+      loss_mask[b, pos:pos + action] = 1
+      turn[b, pos:pos + action] = step
+      pos += action
+      obs = int(rng.integers(masks.obs_span[0], masks.obs_span[1] + 1))
+      if step == masks.max_steps - 1 or pos + obs > end:
+        break
+      turn[b, pos:pos + obs] = step
+      pos += obs
+  return loss_mask, turn
+
+
+def _token_inputs(config, rng):
+  batch, length, vocab, hidden = config.batch, config.length, config.vocab, config.hidden
+  loss_mask, turn = _multiturn_layout(rng, batch, length, config.masks)
+  num_steps = config.masks.max_steps
+  f32 = np.float32
+  logp = -np.abs(rng.normal(size=(batch, length))).astype(f32)
+  group_labels = rng.permutation(batch // config.group_size) * 7919 + 13  # arbitrary integer labels
+  inputs = {
+      "logits": (2.0 * rng.normal(size=(batch, length, vocab))).astype(f32),
+      "targets": rng.integers(0, vocab, size=(batch, length)).astype(np.int32),
+      "hidden": rng.normal(size=(batch, length, hidden)).astype(f32),
+      "unembed": (rng.normal(size=(hidden, vocab)) / math.sqrt(hidden)).astype(f32),
+      "rewards": rng.normal(size=(batch, length)).astype(f32),
+      "values": rng.normal(size=(batch, length)).astype(f32),
+      "old_values": rng.normal(size=(batch, length)).astype(f32),
+      "loss_mask": loss_mask,
+      "turn": turn,
+      "step_values": rng.normal(size=(batch, num_steps)).astype(f32),
+      "step_rewards": rng.normal(size=(batch, num_steps)).astype(f32),
+      "scores": rng.integers(0, 2, size=batch).astype(f32),
+      "groups": rng.permutation(np.repeat(group_labels, config.group_size)).astype(np.int32),
+      "logp": logp,
+      "old_logp": (logp + 0.1 * rng.normal(size=logp.shape)).astype(f32),
+      "ref_logp": (logp + 0.3 * rng.normal(size=logp.shape)).astype(f32),
+      "rollout_logp": (logp + 0.05 * rng.normal(size=logp.shape)).astype(f32),
+      "token_adv": rng.normal(size=(batch, length)).astype(f32),
+      "seq_adv": rng.normal(size=batch).astype(f32),
+  }
+  return inputs
+
+
+def _gigpo_inputs(cfg, rng):
+  """256 groups x 8 rollouts x 20 steps: variable trajectory lengths, repeated anchors, shuffled rows."""
+  num = cfg.groups * cfg.rollouts
+  steps = cfg.steps
+  lengths = rng.integers(cfg.min_steps, steps + 1, size=num)
+  step_mask = (np.arange(steps)[None, :] < lengths[:, None]).astype(np.int32)
+  group_index = np.repeat(np.arange(cfg.groups), cfg.rollouts)
+  labels = (rng.permutation(cfg.groups) * 104729 + 7).astype(np.int32)  # arbitrary integer labels
+  # Anchor hashes: each group has `anchors_per_group` states; every rollout starts in the first one.
+  table = rng.integers(0, 2**32, size=(cfg.groups, cfg.anchors_per_group), dtype=np.uint64)
+  which = rng.integers(0, cfg.anchors_per_group, size=(num, steps))
+  which[:, 0] = 0
+  anchors = np.where(step_mask > 0, table[group_index[:, None], which], 0).astype(np.uint32)
+  success = rng.integers(0, 2, size=num).astype(np.float32)
+  # Continuous shaping on every valid step plus the outcome on the last one: step returns are spread,
+  # so the std normalisation is well conditioned and float32 vs float64 agree to 1e-4.
+  step_rewards = rng.uniform(-0.5, 0.5, size=(num, steps)) * step_mask
+  step_rewards[np.arange(num), lengths - 1] += success
+  order = rng.permutation(num)
+  return {
+      "episode_returns": success[order],
+      "step_rewards": step_rewards.astype(np.float32)[order],
+      "step_mask": step_mask[order],
+      "groups": labels[group_index][order],
+      "anchors": anchors[order],
+  }
+
+
+# ----------------------------------------------------------------------------------------------------
+# Baselines.
+
+
+def gae_numpy(rewards, values, mask, gamma, lam):
+  """GAE as a NumPy reverse loop over time, vectorised over rows (semantics of `advantages.gae`).
+
+  Time-major contiguous copies first, then per step a handful of in-place vector ops on `[B]` rows
+  (no allocation inside the loop). Mask-0 positions leave the next value and running advantage
+  unchanged; bootstrap 0 after the last valid position.
+  """
+  r_tb = np.ascontiguousarray(rewards.T, dtype=np.float32)
+  v_tb = np.ascontiguousarray(values.T, dtype=np.float32)
+  m_tb = np.ascontiguousarray(mask.T != 0)
+  mf_tb = m_tb.astype(np.float32)
+  num_t, num_b = r_tb.shape
+  gamma, gamma_lam = np.float32(gamma), np.float32(gamma * lam)
+  adv_tb = np.empty((num_t, num_b), np.float32)
+  value_tp1 = np.zeros(num_b, np.float32)
+  running = np.zeros(num_b, np.float32)
+  delta = np.empty(num_b, np.float32)
+  for t in range(num_t - 1, -1, -1):
+    np.multiply(value_tp1, gamma, out=delta)
+    delta += r_tb[t]
+    delta -= v_tb[t]
+    a_t = adv_tb[t]
+    np.multiply(running, gamma_lam, out=a_t)
+    a_t += delta
+    np.copyto(running, a_t, where=m_tb[t])
+    np.copyto(value_tp1, v_tb[t], where=m_tb[t])
+    a_t *= mf_tb[t]
+  returns_tb = (adv_tb + v_tb) * mf_tb
+  return adv_tb.T, returns_tb.T
+
+
+def gigpo_python(episode_returns, step_rewards, step_mask, groups, anchors, *, gamma, step_weight,
+                 normalize_std, eps=1e-6):
+  """GiGPO with Python dicts and per-trajectory loops (the verl-agent approach).
+
+  Episode level: dict group -> trajectory returns, mean/std per group. Step level: per-trajectory
+  reverse loop for discounted step returns, dict (group, anchor) -> step returns, mean/std per step
+  group, then one lookup per step. Same conventions as `advantages.gigpo` (unbiased std, eps on the
+  std, groups of one get 0, invalid steps 0).
+  """
+  num, num_steps = step_rewards.shape
+  returns, rewards = episode_returns.tolist(), step_rewards.tolist()
+  masks, labels, anchor_rows = step_mask.tolist(), groups.tolist(), anchors.tolist()
+
+  def moments(xs):
+    n = len(xs)
+    mean = sum(xs) / n
+    std = math.sqrt(sum((x - mean)**2 for x in xs) / (n - 1)) if n > 1 else 0.0
+    return n, mean, std
+
+  def normalised(x, stats):
+    n, mean, std = stats
+    if n < 2:
+      return 0.0
+    return (x - mean) / (std + eps) if normalize_std else x - mean
+
+  group_scores = collections.defaultdict(list)
+  for i in range(num):
+    group_scores[labels[i]].append(returns[i])
+  group_stats = {g: moments(xs) for g, xs in group_scores.items()}
+  episode_adv = [normalised(returns[i], group_stats[labels[i]]) for i in range(num)]
+
+  step_returns = []
+  for i in range(num):
+    row, running = [0.0] * num_steps, 0.0
+    for s in range(num_steps - 1, -1, -1):
+      if masks[i][s]:
+        running = rewards[i][s] + gamma * running
+        row[s] = running
+    step_returns.append(row)
+
+  step_groups = collections.defaultdict(list)
+  for i in range(num):
+    for s in range(num_steps):
+      if masks[i][s]:
+        step_groups[(labels[i], anchor_rows[i][s])].append(step_returns[i][s])
+  step_stats = {key: moments(xs) for key, xs in step_groups.items()}
+
+  out = np.zeros((num, num_steps), np.float32)
+  for i in range(num):
+    for s in range(num_steps):
+      if masks[i][s]:
+        a_step = normalised(step_returns[i][s], step_stats[(labels[i], anchor_rows[i][s])])
+        out[i, s] = episode_adv[i] + step_weight * a_step
+  return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Timing.
+
+
+def _time_jax(fn, repeats):
+  """(median ms, compile ms, output) of `fn()`: one warm-up call (compiles), then `repeats` runs."""
+  start = time.perf_counter()
+  out = jax.block_until_ready(fn())
+  compile_ms = 1e3 * (time.perf_counter() - start)
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return 1e3 * statistics.median(times), compile_ms, out
+
+
+def _time_host(fn, repeats):
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return 1e3 * statistics.median(times)
+
+
+def _shape(*dims):
+  return "x".join(str(d) for d in dims)
+
+
+def run_benchmark(config):
+  """Measures every kernel (and the two baselines); returns the result rows."""
+  rng = np.random.default_rng(config.seed)
+  logging.info("Building inputs (B=%d, T=%d, V=%d, D=%d)...", config.batch, config.length,
+               config.vocab, config.hidden)
+  host = _token_inputs(config, rng)
+  g_cfg = config.gigpo
+  host_gigpo = _gigpo_inputs(g_cfg, rng)
+  dev = {k: jnp.asarray(v) for k, v in host.items()}
+  dev_gigpo = {k: jnp.asarray(v) for k, v in host_gigpo.items()}
+  jax.block_until_ready((dev, dev_gigpo))
+
+  b, t, v, d, s = config.batch, config.length, config.vocab, config.hidden, config.masks.max_steps
+  bt = _shape(b, t)
+  mask = dev["loss_mask"]
+  gamma, lam = config.gamma, config.lam
+  gigpo_kwargs = dict(gamma=g_cfg.gamma, step_weight=g_cfg.step_weight,
+                      normalize_std=g_cfg.normalize_std)
+
+  kernels = [
+      ("token_logprobs", _shape(b, t, v),
+       lambda: logprobs_lib.token_logprobs(dev["logits"], dev["targets"])),
+      ("entropy", _shape(b, t, v), lambda: logprobs_lib.entropy(dev["logits"])),
+      ("token_logprobs_from_hidden", f"{_shape(b, t, d)} @ {_shape(d, v)} c{config.chunk_size}",
+       lambda: logprobs_lib.token_logprobs_from_hidden(dev["hidden"], dev["unembed"], dev["targets"],
+                                                       chunk_size=config.chunk_size)),
+      ("gae", bt, lambda: adv_lib.gae(dev["rewards"], dev["values"], mask, gamma=gamma, lam=lam)),
+      ("length_adaptive_gae", bt,
+       lambda: adv_lib.length_adaptive_gae(dev["rewards"], dev["values"], mask, gamma=gamma)),
+      ("masked_whiten", bt, lambda: adv_lib.masked_whiten(dev["token_adv"], mask)),
+      ("grpo", f"N={b} (g={config.group_size})", lambda: adv_lib.grpo(dev["scores"], dev["groups"])),
+      ("rloo", f"N={b} (g={config.group_size})", lambda: adv_lib.rloo(dev["scores"], dev["groups"])),
+      ("reinforce_pp", bt, lambda: adv_lib.reinforce_pp(dev["rewards"], mask, gamma=gamma)),
+      ("gigpo", _shape(g_cfg.groups, g_cfg.rollouts, g_cfg.steps),
+       lambda: adv_lib.gigpo(*dev_gigpo.values(), **gigpo_kwargs)),
+      ("broadcast_steps", f"{_shape(b, s)} -> {bt}",
+       lambda: adv_lib.broadcast_steps(dev["step_values"], dev["turn"])),
+      ("place_step_rewards", f"{_shape(b, s)} -> {bt}",
+       lambda: adv_lib.place_step_rewards(dev["step_rewards"], dev["turn"], mask)),
+      ("policy_loss", bt,
+       lambda: losses_lib.policy_loss(dev["logp"], dev["old_logp"], dev["token_adv"], mask)),
+      ("gspo_loss", bt,
+       lambda: losses_lib.gspo_loss(dev["logp"], dev["old_logp"], dev["seq_adv"], mask)),
+      ("kl", f"{bt} k3", lambda: losses_lib.kl(dev["logp"], dev["ref_logp"], "k3")),
+      ("value_loss", bt,
+       lambda: losses_lib.value_loss(dev["values"], dev["old_values"], dev["rewards"], mask)),
+      ("truncated_is_weights", bt,
+       lambda: losses_lib.truncated_is_weights(dev["old_logp"], dev["rollout_logp"], mask)),
+  ]
+
+  baselines = {
+      "gae": ("numpy reverse loop",
+              lambda: gae_numpy(host["rewards"], host["values"], host["loss_mask"], gamma, lam),
+              lambda out: out),
+      "gigpo": ("python dicts + loops",
+                lambda: gigpo_python(*host_gigpo.values(), **gigpo_kwargs),
+                lambda out: (out,)),
+  }
+
+  rows = []
+  for name, shape, fn in kernels:
+    logging.info("Measuring %s [%s]...", name, shape)
+    median_ms, compile_ms, out = _time_jax(fn, config.repeats)
+    row = {"kernel": name, "shape": shape, "time_ms": median_ms, "compile_ms": compile_ms,
+           "baseline": None, "baseline_ms": None, "speedup": None, "target": None, "pass": None}
+    if name in baselines:
+      label, base_fn, as_tuple = baselines[name]
+      logging.info("  checking baseline '%s' against the kernel...", label)
+      expected = as_tuple(out)
+      got = as_tuple(base_fn())
+      for e, g in zip(expected, got):
+        np.testing.assert_allclose(g, np.asarray(e), rtol=1e-5, atol=config.check_atol,
+                                   err_msg=f"{name} baseline disagrees with the JAX kernel")
+      logging.info("  timing baseline '%s' (%d runs)...", label, config.baseline_repeats)
+      base_ms = _time_host(base_fn, config.baseline_repeats)
+      row.update(baseline=label, baseline_ms=base_ms, speedup=base_ms / median_ms)
+      if config.targets:
+        row.update(target=_TARGETS[name], **{"pass": row["speedup"] >= _TARGETS[name]})
+    rows.append(row)
+  return rows
+
+
+def _format_table(rows):
+  header = ["kernel", "shape", "time ms", "baseline ms", "speedup", "target", "pass/fail"]
+
+  def fmt(row):
+    def num(x, spec):
+      return "" if x is None else format(x, spec)
+    verdict = "" if row["pass"] is None else ("PASS" if row["pass"] else "FAIL")
+    return [row["kernel"], row["shape"], num(row["time_ms"], ".3f"), num(row["baseline_ms"], ".3f"),
+            "" if row["speedup"] is None else f"{row['speedup']:.1f}x",
+            "" if row["target"] is None else f">= {row['target']:.0f}x", verdict]
+
+  body = [fmt(r) for r in rows]
+  widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(header)]
+  lines = [" | ".join(h.ljust(w) for h, w in zip(header, widths)),
+           "-+-".join("-" * w for w in widths)]
+  lines += [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in body]
+  return "\n".join(lines)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  config = _CONFIG.value
+  devices = jax.devices()
+  logging.info("jax %s, backend %s, %d device(s): %s", jax.__version__, jax.default_backend(),
+               len(devices), devices)
+  start = time.perf_counter()
+  rows = run_benchmark(config)
+  total_s = time.perf_counter() - start
+  print(f"jax {jax.__version__} | backend {jax.default_backend()} | devices {jax.device_count()} "
+        f"({devices[0].device_kind}) | repeats {config.repeats} (median) | total {total_s:.1f} s")
+  print(_format_table(rows), flush=True)
+  if _OUT.value:
+    out = pathlib.Path(_OUT.value)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "jax_version": jax.__version__,
+        "backend": jax.default_backend(),
+        "device_count": jax.device_count(),
+        "device_kind": devices[0].device_kind,
+        "total_s": total_s,
+        "config": config.to_dict(),
+        "rows": rows,
+    }, indent=2) + "\n")
+    logging.info("Wrote %s", out)
+
+
+if __name__ == "__main__":
+  app.run(main)
