@@ -290,7 +290,10 @@ def gspo_loss(logp: chex.Array,
   token_log_ratio = jnp.where(m, logp - old_logp, 0.0)
   seq_log_ratio = jnp.sum(token_log_ratio, axis=-1) / jnp.maximum(jnp.sum(m, axis=-1), 1)
   log_ratio = jax.lax.stop_gradient(seq_log_ratio)[:, None] + logp - jax.lax.stop_gradient(logp)
-  extra = {"approx_kl": masked_mean(-token_log_ratio, mask)}
+  extra = {
+      "approx_kl": masked_mean(-token_log_ratio, mask),
+      "approx_kl_k3": masked_mean(kl(old_logp, logp, "k3"), mask),
+  }
   return _clipped_surrogate(log_ratio, advantages, mask, clip_low=clip_low, clip_high=clip_high,
                             dual_clip=None, is_weights=is_weights, agg=agg,
                             norm_constant=norm_constant, extra_metrics=extra)
