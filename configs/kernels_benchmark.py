@@ -59,6 +59,8 @@ def get_config(arg=None):
   config.gamma = 1.0  # token discount for gae / reinforce_pp.
   config.lam = 0.95  # GAE lambda.
 
+  # Scaling table: gae at batch * f and gigpo at groups * f for each multiplier f (empty: skipped).
+  config.scaling = (0.25, 1.0, 4.0)
   config.repeats = 20  # timed runs per kernel (after one warm-up/compile run); the median is reported.
   config.baseline_repeats = 5  # timed runs per baseline (slow Python/NumPy); the median is reported.
   config.check_atol = 1e-4  # baselines must match the JAX kernels to this tolerance before timing.
@@ -82,6 +84,7 @@ def get_config(arg=None):
     config.repeats = 3
     config.baseline_repeats = 2
     config.targets = False
+    config.scaling = (0.5, 1.0)
   elif arg not in (None, ""):
     raise ValueError(f"unknown config variant {arg!r}; expected '' or 'smoke'.")
   return config

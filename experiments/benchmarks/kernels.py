@@ -38,6 +38,7 @@ from absl import flags
 from absl import logging
 import jax
 import jax.numpy as jnp
+import ml_collections
 from ml_collections import config_flags
 import numpy as np
 
@@ -463,6 +464,46 @@ def run_benchmark(config):
   return rows
 
 
+def run_scaling(config):
+  """Times gae over batch sizes and gigpo over group counts (`config.scaling` multipliers of the main
+  sizes): the cost per element should stay flat (linear) or grow like log n (sorting)."""
+  rng = np.random.default_rng(config.seed + 1)
+  rows = []
+  for factor in config.scaling:
+    batch = max(1, int(config.batch * factor))
+    sized = ml_collections.ConfigDict(config.to_dict())  # an unlocked copy
+    sized.batch = batch
+    lengths = config.length
+    loss_mask, _ = _multiturn_layout(rng, batch, lengths, config.masks)  # multi-turn layout
+    rewards = jnp.asarray(rng.normal(size=(batch, lengths)).astype(np.float32))
+    values = jnp.asarray(rng.normal(size=(batch, lengths)).astype(np.float32))
+    mask = jnp.asarray(loss_mask)
+    logging.info("Scaling: gae at B=%d...", batch)
+    ms, _, _ = _time_jax(lambda: adv_lib.gae(rewards, values, mask, gamma=config.gamma,
+                                             lam=config.lam), config.repeats)
+    rows.append({"kernel": "gae", "size": f"B={batch}, T={lengths}", "elements": batch * lengths,
+                 "time_ms": ms})
+    sized.gigpo.groups = max(1, int(config.gigpo.groups * factor))
+    gigpo_inputs = {k: jnp.asarray(v) for k, v in _gigpo_inputs(sized.gigpo, rng).items()}
+    logging.info("Scaling: gigpo at %d groups...", sized.gigpo.groups)
+    ms, _, _ = _time_jax(lambda: adv_lib.gigpo(*gigpo_inputs.values(), gamma=config.gigpo.gamma,
+                                               normalize_std=config.gigpo.normalize_std),
+                         config.repeats)
+    steps = sized.gigpo.groups * config.gigpo.rollouts * config.gigpo.steps
+    rows.append({"kernel": "gigpo", "size": f"{sized.gigpo.groups}x{config.gigpo.rollouts}x"
+                 f"{config.gigpo.steps}", "elements": steps, "time_ms": ms})
+  return rows
+
+
+def _format_scaling(rows):
+  lines = ["kernel | size | elements | time ms | ns / element",
+           "-------+------+----------+---------+-------------"]
+  for r in sorted(rows, key=lambda r: (r["kernel"], r["elements"])):
+    lines.append(f"{r['kernel']} | {r['size']} | {r['elements']} | {r['time_ms']:.3f} | "
+                 f"{1e6 * r['time_ms'] / r['elements']:.2f}")
+  return "\n".join(lines)
+
+
 def _format_table(rows):
   header = ["kernel", "shape", "time ms", "baseline", "baseline ms", "speedup", "target", "pass/fail"]
 
@@ -492,10 +533,14 @@ def main(argv):
                len(devices), devices)
   start = time.perf_counter()
   rows = run_benchmark(config)
+  scaling = run_scaling(config) if config.scaling else []
   total_s = time.perf_counter() - start
   print(f"jax {jax.__version__} | backend {jax.default_backend()} | devices {jax.device_count()} "
         f"({devices[0].device_kind}) | repeats {config.repeats} (median) | total {total_s:.1f} s")
   print(_format_table(rows), flush=True)
+  if scaling:
+    print("\nScaling (cost per element should stay roughly flat):")
+    print(_format_scaling(scaling), flush=True)
   if _OUT.value:
     out = pathlib.Path(_OUT.value)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -507,6 +552,7 @@ def main(argv):
         "total_s": total_s,
         "config": config.to_dict(),
         "rows": rows,
+        "scaling": scaling,
     }, indent=2) + "\n")
     logging.info("Wrote %s", out)
 
