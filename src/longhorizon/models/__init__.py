@@ -1,0 +1,16 @@
+"""Llama-family policy and critic models, their configs, caches and sharding rules."""
+
+from longhorizon.models.config import ModelConfig, RopeScaling, tiny_config
+from longhorizon.models.llama import (Critic, DecoderOutput, KVCache, PolicyWithValue, Transformer,
+                                      ValueHead, init_cache, unembedding)
+
+__all__ = ["ModelConfig", "RopeScaling", "tiny_config", "Transformer", "Critic", "PolicyWithValue",
+           "ValueHead", "KVCache", "DecoderOutput", "init_cache", "unembedding", "init_params"]
+
+
+def init_params(config: ModelConfig, key):
+  """Randomly initialised (unboxed) parameters of `Transformer(config)`."""
+  import flax.linen as nn
+  import jax.numpy as jnp
+  variables = Transformer(config).init(key, jnp.zeros((1, 1), jnp.int32))
+  return nn.meta.unbox(variables["params"])

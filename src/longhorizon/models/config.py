@@ -1,0 +1,155 @@
+"""`ModelConfig`: the architecture of a Llama-family decoder (Llama 2/3.x, SmolLM2, Qwen2/2.5).
+
+Field names follow HuggingFace `config.json` where one exists, so `from_hf` / `to_hf` are near
+identities and a reader of either file recognises every entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+__all__ = ["ModelConfig", "RopeScaling", "tiny_config", "SUPPORTED_ARCHITECTURES"]
+
+# HF `architectures` / `model_type` values this decoder implements exactly.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Llama-3 frequency scaling of RoPE (`rope_type: llama3` in HF configs)."""
+  factor: float = 8.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Architecture and numerics of the decoder. Frozen and hashable (usable as a static jit argument)."""
+  vocab_size: int
+  hidden_size: int  # D, model width
+  intermediate_size: int  # F, SwiGLU hidden width
+  num_hidden_layers: int  # number of decoder blocks (scanned)
+  num_attention_heads: int  # H query heads
+  num_key_value_heads: int  # KV heads (grouped-query attention: H % KV == 0)
+  head_dim: int | None = None  # per-head width; None -> hidden_size // num_attention_heads
+  rope_theta: float = 10000.0  # RoPE base (SmolLM2: 1e5, Llama 3: 5e5, Qwen2.5: 1e6)
+  rope_scaling: RopeScaling | None = None  # Llama-3 scaling, or None
+  rms_norm_eps: float = 1e-5
+  tie_word_embeddings: bool = True  # unembedding = embedding table transposed
+  attention_bias: bool = False  # bias on q/k/v projections (Qwen2: True)
+  max_position_embeddings: int = 8192
+  model_type: str = "llama"  # "llama" or "qwen2" (HF naming on save)
+  # Numerics: parameters are stored in `param_dtype`; matmuls run in `dtype`; norms, softmax, logits and
+  # log-probs are always float32.
+  param_dtype: str = "float32"
+  dtype: str = "float32"
+  # Layers always run under `nn.scan` (compile time independent of depth). Remat policy for training:
+  # "none", "full" (recompute each block in the backward pass) or "dots" (save matmul outputs only).
+  remat: str = "none"
+
+  def __post_init__(self):
+    if self.num_attention_heads % self.num_key_value_heads:
+      raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                       f"num_key_value_heads={self.num_key_value_heads}.")
+    if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+      raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                       f"{self.num_attention_heads}; set head_dim explicitly.")
+    if self.remat not in ("none", "full", "dots"):
+      raise ValueError(f"remat must be 'none', 'full' or 'dots', got {self.remat!r}.")
+    if self.model_type not in SUPPORTED_ARCHITECTURES.values():
+      raise ValueError(f"model_type {self.model_type!r} is not supported; expected one of "
+                       f"{sorted(SUPPORTED_ARCHITECTURES.values())}.")
+    if isinstance(self.rope_scaling, Mapping):
+      object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+
+  @property
+  def dims_per_head(self) -> int:
+    return self.head_dim or self.hidden_size // self.num_attention_heads
+
+  def replace(self, **changes) -> "ModelConfig":
+    return dataclasses.replace(self, **changes)
+
+  @classmethod
+  def from_hf(cls, hf: Mapping[str, Any], source: str = "config.json") -> "ModelConfig":
+    """Builds a config from a HuggingFace `config.json` dict; unknown architectures raise."""
+    archs = hf.get("architectures") or []
+    model_type = hf.get("model_type")
+    known = [SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES]
+    if not known and model_type not in SUPPORTED_ARCHITECTURES.values():
+      raise ValueError(f"{source}: unknown architecture {archs or model_type!r}; supported: "
+                       f"{sorted(SUPPORTED_ARCHITECTURES)}.")
+    model_type = known[0] if known else model_type
+    scaling = hf.get("rope_scaling")
+    rope_scaling = None
+    if scaling:
+      kind = scaling.get("rope_type", scaling.get("type"))
+      if kind != "llama3":
+        raise ValueError(f"{source}: rope_scaling type {kind!r} is not supported (only 'llama3').")
+      rope_scaling = RopeScaling(
+          factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
+          high_freq_factor=float(scaling["high_freq_factor"]),
+          original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads"):
+      if key not in hf:
+        raise ValueError(f"{source}: missing required field {key!r}.")
+    rope_theta = hf.get("rope_theta")
+    if rope_theta is None:  # transformers >= 5 nests it under rope_parameters
+      rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    return cls(
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_hidden_layers=int(hf["num_hidden_layers"]),
+        num_attention_heads=int(hf["num_attention_heads"]),
+        num_key_value_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
+        head_dim=hf.get("head_dim"),
+        rope_theta=float(rope_theta),
+        rope_scaling=rope_scaling,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6 if model_type == "qwen2" else 1e-5)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", model_type == "llama")),
+        attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
+        model_type=model_type,
+    )
+
+  def to_hf(self) -> dict[str, Any]:
+    """The HuggingFace `config.json` dict of this architecture."""
+    arch = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[self.model_type]
+    out = {
+        "architectures": [arch],
+        "model_type": self.model_type,
+        "vocab_size": self.vocab_size,
+        "hidden_size": self.hidden_size,
+        "intermediate_size": self.intermediate_size,
+        "num_hidden_layers": self.num_hidden_layers,
+        "num_attention_heads": self.num_attention_heads,
+        "num_key_value_heads": self.num_key_value_heads,
+        "head_dim": self.dims_per_head,
+        "rope_theta": self.rope_theta,
+        "rms_norm_eps": self.rms_norm_eps,
+        "tie_word_embeddings": self.tie_word_embeddings,
+        "max_position_embeddings": self.max_position_embeddings,
+        "hidden_act": "silu",
+        "torch_dtype": self.param_dtype,
+    }
+    if self.model_type == "llama":
+      out["attention_bias"] = self.attention_bias
+      out["mlp_bias"] = False
+    if self.rope_scaling is not None:
+      out["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
+    return out
+
+
+def tiny_config(vocab_size: int = 256, **overrides) -> ModelConfig:
+  """A 2-layer, width-64 decoder for tests and fast CPU experiments (~0.1M parameters + embeddings)."""
+  base = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
+              max_position_embeddings=4096, tie_word_embeddings=True)
+  base.update(overrides)
+  return ModelConfig(**base)

@@ -1,0 +1,296 @@
+"""Pure-functional Flax (Linen) decoder for the Llama family, with an optional KV cache, and critics.
+
+One code path serves training (no cache) and sampling (prefill / decode / extend are all "append
+`T` new tokens to a cache"). Masks come from per-row lengths and slot indices, never from token
+values: a pad id may be a real token (SmolLM2 pads with `<|im_end|>`, which also ends every turn).
+
+Parameter tree (HF-like names, so checkpoint mapping is mechanical; layer params stacked on axis 0):
+  embed_tokens/embedding [V, D]
+  layers/input_layernorm/scale [L, D]
+  layers/self_attn/{q,k,v}_proj/kernel [L, D, H*hd | KV*hd] (+ bias when attention_bias)
+  layers/self_attn/o_proj/kernel [L, H*hd, D]
+  layers/post_attention_layernorm/scale [L, D]
+  layers/mlp/{gate,up}_proj/kernel [L, D, F], layers/mlp/down_proj/kernel [L, F, D]
+  norm/scale [D]
+  lm_head/kernel [D, V] (only when embeddings are untied)
+Every parameter carries logical axis names (see `sharding.py`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from longhorizon.models.config import ModelConfig
+
+__all__ = ["KVCache", "DecoderOutput", "Transformer", "ValueHead", "Critic", "PolicyWithValue",
+           "init_cache", "rope_frequencies"]
+
+_F32 = jnp.float32
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Keys and values of every layer for `S` slots per row; slot `i` holds the token at position `i`."""
+  k: jax.Array  # [L, B, S, KV, hd] compute dtype
+  v: jax.Array  # [L, B, S, KV, hd] compute dtype
+  end: jax.Array  # [B] int32: number of filled slots (next write slot) per row
+
+  @property
+  def capacity(self) -> int:
+    return self.k.shape[2]
+
+
+@flax.struct.dataclass
+class DecoderOutput:
+  hidden: jax.Array  # [B, T, D] final-normed hidden states (compute dtype)
+  logits: jax.Array | None  # [B, T, V] float32, None when not requested
+  cache: KVCache | None  # updated cache, None without one
+
+
+def init_cache(config: ModelConfig, batch_size: int, capacity: int) -> KVCache:
+  """An empty cache of `capacity` slots per row."""
+  shape = (config.num_hidden_layers, batch_size, capacity, config.num_key_value_heads,
+           config.dims_per_head)
+  dtype = jnp.dtype(config.dtype)
+  return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                 end=jnp.zeros((batch_size,), jnp.int32))
+
+
+def rope_frequencies(config: ModelConfig) -> np.ndarray:
+  """`[hd/2]` float32 inverse frequencies `theta^(-2i/hd)`, with Llama-3 scaling when configured."""
+  hd = config.dims_per_head
+  inv_freq = 1.0 / (config.rope_theta**(np.arange(0, hd, 2, dtype=np.int64).astype(np.float32) / hd))
+  scaling = config.rope_scaling
+  if scaling is None:
+    return inv_freq.astype(np.float32)
+  old_len = scaling.original_max_position_embeddings
+  low_wavelen = old_len / scaling.low_freq_factor
+  high_wavelen = old_len / scaling.high_freq_factor
+  wavelen = 2 * math.pi / inv_freq
+  scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+  smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+      scaling.high_freq_factor - scaling.low_freq_factor)
+  smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+  medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+  return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def _apply_rope(x, positions, inv_freq):
+  """Rotary embedding in the HF "rotate half" layout. x: [B, T, N, hd], positions: [B, T]."""
+  freqs = positions.astype(_F32)[..., None] * jnp.asarray(inv_freq)  # [B, T, hd/2]
+  emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+  cos, sin = jnp.cos(emb), jnp.sin(emb)
+  x32 = x.astype(_F32)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+  return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def _dense(features, names, config, *, use_bias=False, name=None):
+  return nn.Dense(
+      features, use_bias=use_bias, dtype=jnp.dtype(config.dtype),
+      param_dtype=jnp.dtype(config.param_dtype),
+      kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), names),
+      bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), names[1:]), name=name)
+
+
+class RMSNorm(nn.Module):
+  eps: float
+  param_dtype: str = "float32"
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                       (x.shape[-1],), jnp.dtype(self.param_dtype))
+    x32 = x.astype(_F32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (y * scale.astype(_F32)).astype(x.dtype)
+
+
+class Attention(nn.Module):
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, positions, mask, slots, layer_k, layer_v):
+    cfg = self.config
+    b, t, _ = x.shape
+    h, kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dims_per_head
+    q = _dense(h * hd, ("embed", "heads"), cfg, use_bias=cfg.attention_bias, name="q_proj")(x)
+    k = _dense(kv * hd, ("embed", "kv_heads"), cfg, use_bias=cfg.attention_bias, name="k_proj")(x)
+    v = _dense(kv * hd, ("embed", "kv_heads"), cfg, use_bias=cfg.attention_bias, name="v_proj")(x)
+    inv_freq = rope_frequencies(cfg)
+    q = _apply_rope(q.reshape(b, t, h, hd), positions, inv_freq)
+    k = _apply_rope(k.reshape(b, t, kv, hd), positions, inv_freq)
+    v = v.reshape(b, t, kv, hd)
+    if layer_k is not None:
+      # Write the new keys/values at their slots; slots past the capacity are dropped (never wrap).
+      rows = jnp.arange(b)[:, None]
+      layer_k = layer_k.at[rows, slots].set(k.astype(layer_k.dtype), mode="drop")
+      layer_v = layer_v.at[rows, slots].set(v.astype(layer_v.dtype), mode="drop")
+      keys, values = layer_k, layer_v
+    else:
+      keys, values = k, v
+    groups = h // kv
+    q = q.reshape(b, t, kv, groups, hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, keys.astype(q.dtype),
+                        preferred_element_type=_F32) / math.sqrt(hd)
+    scores = jnp.where(mask[:, None, None, :, :], scores, -1e30)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, values.astype(q.dtype)).reshape(b, t, h * hd)
+    out = _dense(cfg.hidden_size, ("heads", "embed"), cfg, name="o_proj")(out)
+    return out, layer_k, layer_v
+
+
+class MLP(nn.Module):
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x):
+    cfg = self.config
+    gate = _dense(cfg.intermediate_size, ("embed", "mlp"), cfg, name="gate_proj")(x)
+    up = _dense(cfg.intermediate_size, ("embed", "mlp"), cfg, name="up_proj")(x)
+    return _dense(cfg.hidden_size, ("mlp", "embed"), cfg, name="down_proj")(nn.silu(gate) * up)
+
+
+class Block(nn.Module):
+  """One pre-norm decoder block; the scan carry is the residual stream."""
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, layer_cache, positions, mask, slots):
+    cfg = self.config
+    layer_k, layer_v = layer_cache if layer_cache is not None else (None, None)
+    x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
+    h = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype, name="input_layernorm")(x)
+    attn, layer_k, layer_v = Attention(cfg, name="self_attn")(h, positions, mask, slots, layer_k,
+                                                               layer_v)
+    x = x + attn
+    h = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype, name="post_attention_layernorm")(x)
+    x = x + MLP(cfg, name="mlp")(h)
+    return x, (None if layer_cache is None else (layer_k, layer_v))
+
+
+_REMAT_POLICIES = {
+    "full": None,  # save nothing: recompute the whole block
+    "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+class Transformer(nn.Module):
+  """Llama-family decoder.
+
+  Call: `Transformer(config).apply({"params": params}, tokens, ...)`.
+
+  Args (of `__call__`):
+    tokens: `[B, T]` int token ids.
+    positions: `[B, T]` int position ids; default `end + arange(T)` (`end` = 0 without a cache).
+    lengths: `[B]` int number of real tokens at the start of each row (right padding); default `T`.
+      Padding tokens never act as keys, whatever their id.
+    cache: optional `KVCache`; the `T` tokens are appended at slots `end[b] + t` and attend to every
+      filled slot `<=` their own; the returned cache has `end += lengths`.
+    compute_logits: also return float32 `[B, T, V]` logits.
+
+  Returns:
+    `DecoderOutput(hidden, logits, cache)`.
+  """
+  config: ModelConfig
+
+  def setup(self):
+    cfg = self.config
+    self.embed_tokens = nn.Embed(
+        cfg.vocab_size, cfg.hidden_size, dtype=jnp.dtype(cfg.dtype),
+        param_dtype=jnp.dtype(cfg.param_dtype),
+        embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed")))
+    block = Block
+    if cfg.remat != "none":
+      block = nn.remat(Block, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+    self.layers = nn.scan(
+        block, variable_axes={"params": 0}, split_rngs={"params": True},
+        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.num_hidden_layers,
+        metadata_params={nn.PARTITION_NAME: "layers"})(cfg)
+    self.norm = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype)
+    if not cfg.tie_word_embeddings:
+      self.lm_head = _dense(cfg.vocab_size, ("embed", "vocab"), cfg)
+
+  def __call__(self, tokens, positions=None, lengths=None, cache: KVCache | None = None,
+               compute_logits: bool = True) -> DecoderOutput:
+    b, t = tokens.shape
+    start = jnp.zeros((b,), jnp.int32) if cache is None else cache.end
+    offsets = jnp.arange(t, dtype=jnp.int32)
+    if positions is None:
+      positions = start[:, None] + offsets[None, :]
+    if lengths is None:
+      lengths = jnp.full((b,), t, jnp.int32)
+    query_slots = start[:, None] + offsets[None, :]  # [B, T]
+    new_end = start + lengths.astype(jnp.int32)
+    if cache is None:
+      key_slots = offsets  # the T tokens themselves
+      layer_cache = None
+    else:
+      key_slots = jnp.arange(cache.capacity, dtype=jnp.int32)
+      layer_cache = (cache.k, cache.v)
+    # [B, T, S]: a key is visible if it is a real, already written token at or before the query.
+    mask = (key_slots[None, None, :] < new_end[:, None, None]) & (
+        key_slots[None, None, :] <= query_slots[:, :, None])
+    x = self.embed_tokens(tokens)
+    x, new_layer_cache = self.layers(x, layer_cache, positions, mask, query_slots)
+    hidden = self.norm(x)
+    logits = self.logits(hidden) if compute_logits else None
+    new_cache = None
+    if cache is not None:
+      new_cache = KVCache(k=new_layer_cache[0], v=new_layer_cache[1], end=new_end)
+    return DecoderOutput(hidden=hidden, logits=logits, cache=new_cache)
+
+  def logits(self, hidden):
+    """float32 `[..., V]` logits of final-normed hidden states."""
+    if self.config.tie_word_embeddings:
+      table = self.embed_tokens.embedding
+      return jnp.einsum("...d,vd->...v", hidden, table.astype(hidden.dtype),
+                        preferred_element_type=_F32)
+    return self.lm_head(hidden).astype(_F32)
+
+
+def unembedding(params, config: ModelConfig):
+  """The unembedding matrix for `core.logprobs.token_logprobs_from_hidden`: `[V, D]` (tied) or
+  `[D, V]` (untied)."""
+  if config.tie_word_embeddings:
+    return params["embed_tokens"]["embedding"]
+  return params["lm_head"]["kernel"]
+
+
+class ValueHead(nn.Module):
+  """One float32 value per token from hidden states: `[B, T, D] -> [B, T]`."""
+
+  @nn.compact
+  def __call__(self, hidden):
+    dense = nn.Dense(1, dtype=_F32, param_dtype=_F32,
+                     kernel_init=nn.with_logical_partitioning(nn.initializers.zeros_init(),
+                                                              ("embed", "value")),
+                     bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("value",)))
+    return dense(hidden.astype(_F32))[..., 0]
+
+
+class Critic(nn.Module):
+  """A separately parameterised critic: its own decoder trunk and a value head. `[B, T] -> [B, T]`."""
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens, positions=None, lengths=None):
+    out = Transformer(self.config, name="trunk")(tokens, positions, lengths, compute_logits=False)
+    return ValueHead(name="value_head")(out.hidden)
+
+
+class PolicyWithValue(nn.Module):
+  """Policy and critic sharing one trunk: returns `(DecoderOutput, values[B, T])`."""
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens, positions=None, lengths=None, cache=None, compute_logits=True):
+    out = Transformer(self.config, name="trunk")(tokens, positions, lengths, cache, compute_logits)
+    return out, ValueHead(name="value_head")(out.hidden)

@@ -1,0 +1,100 @@
+"""Logical-axis sharding: parameter and activation axis names -> mesh axes (`data`, `fsdp`, `tensor`).
+
+Every parameter of `llama.py` is created with logical axis names (`vocab`, `embed`, `heads`,
+`kv_heads`, `mlp`, `norm`, `layers`, `value`); activations are constrained with `batch`, `length`,
+`act_embed`. A rule set (from the experiment config) maps each logical name to a mesh axis, a tuple of
+mesh axes, or None (replicated). Shardings are derived from `jax.eval_shape` of the initialiser, so no
+parameter is materialised unsharded.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+__all__ = ["MESH_AXES", "DEFAULT_RULES", "make_mesh", "logical_shardings", "param_shardings",
+           "init_sharded_params", "batch_sharding"]
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# FSDP shards the model width of every matrix; tensor parallelism shards heads, MLP and vocabulary;
+# batches are split over data x fsdp.
+DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("length", None),
+    ("act_embed", None),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("norm", None),
+    ("layers", None),
+    ("value", None),
+)
+
+
+def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices=None) -> Mesh:
+  """A `(data, fsdp, tensor)` mesh over the first `data*fsdp*tensor` devices."""
+  devices = jax.devices() if devices is None else devices
+  need = data * fsdp * tensor
+  if need > len(devices):
+    raise ValueError(f"mesh (data={data}, fsdp={fsdp}, tensor={tensor}) needs {need} devices, "
+                     f"{len(devices)} available (on CPU emulate more with "
+                     f"XLA_FLAGS=--xla_force_host_platform_device_count={need}).")
+  return Mesh(np.asarray(devices[:need]).reshape(data, fsdp, tensor), MESH_AXES)
+
+
+def _rules(rules):
+  return tuple((name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in rules)
+
+
+def logical_shardings(boxed_tree, mesh: Mesh, rules: Sequence = DEFAULT_RULES):
+  """NamedShardings for a tree of `nn.LogicallyPartitioned` leaves (e.g. from `jax.eval_shape`)."""
+  specs = nn.get_partition_spec(boxed_tree)
+  mesh_specs = nn.logical_to_mesh(specs, _rules(rules))
+  return jax.tree_util.tree_map(lambda spec: NamedSharding(mesh, spec), mesh_specs,
+                                is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def param_shardings(module: nn.Module, sample_input, mesh: Mesh, rules: Sequence = DEFAULT_RULES):
+  """Shardings of `module`'s params, from the shapes of its initialiser (nothing is allocated)."""
+  abstract = jax.eval_shape(lambda: module.init(jax.random.key(0), sample_input))
+  return logical_shardings(abstract["params"], mesh, rules)
+
+
+def init_sharded_params(module: nn.Module, sample_input, key, mesh: Mesh,
+                        rules: Sequence = DEFAULT_RULES):
+  """Initialises params directly into their shardings (jit with out_shardings)."""
+  shardings = param_shardings(module, sample_input, mesh, rules)
+
+  def init():
+    return nn.meta.unbox(module.init(key, sample_input)["params"])
+
+  return jax.jit(init, out_shardings=shardings)()
+
+
+def shard_params(params, module: nn.Module, sample_input, mesh: Mesh,
+                 rules: Sequence = DEFAULT_RULES):
+  """Places existing (unboxed) params, e.g. loaded from a checkpoint, onto their shardings."""
+  return jax.device_put(params, param_shardings(module, sample_input, mesh, rules))
+
+
+def batch_sharding(mesh: Mesh, rank: int = 2, rules: Sequence = DEFAULT_RULES) -> NamedSharding:
+  """Sharding of a `[B, ...]` batch array: the batch axis split per the `batch` rule."""
+  axes = dict(_rules(rules)).get("batch")
+  return NamedSharding(mesh, PartitionSpec(axes, *([None] * (rank - 1))))
+
+
+def with_rules(fn, mesh: Mesh, rules: Sequence = DEFAULT_RULES):
+  """Runs `fn()` with the mesh and logical rules active (for `nn.with_logical_constraint`)."""
+  with mesh, nn.logical_axis_rules(_rules(rules)):
+    return fn()
+
+
+del jnp
