@@ -64,12 +64,14 @@ class ModelConfig:
     if self.model_type not in SUPPORTED_ARCHITECTURES.values():
       raise ValueError(f"model_type {self.model_type!r} is not supported; expected one of "
                        f"{sorted(SUPPORTED_ARCHITECTURES.values())}.")
+    if self.head_dim is None:
+      object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
     if isinstance(self.rope_scaling, Mapping):
       object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
 
   @property
   def dims_per_head(self) -> int:
-    return self.head_dim or self.hidden_size // self.num_attention_heads
+    return self.head_dim
 
   def replace(self, **changes) -> "ModelConfig":
     return dataclasses.replace(self, **changes)
