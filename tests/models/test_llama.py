@@ -1,5 +1,6 @@
 """The Llama-family decoder: NumPy reference forward, cache, masks, RoPE, scan/remat, critics, sharding."""
 
+import functools
 import json
 import math
 import os
@@ -35,8 +36,17 @@ def tiny():
   return config, jax.tree_util.tree_map_with_path(perturb, params)
 
 
-def _forward(config, params, tokens, **kwargs):
-  return models.Transformer(config).apply({"params": params}, jnp.asarray(tokens), **kwargs)
+@functools.lru_cache(maxsize=None)
+def _jitted_forward(config):
+  # One jitted function per config: eager `apply` re-traces (and recompiles) the layer scan every call.
+  def forward(params, tokens, positions, lengths, cache):
+    return models.Transformer(config).apply({"params": params}, tokens, positions=positions,
+                                            lengths=lengths, cache=cache)
+  return jax.jit(forward)
+
+
+def _forward(config, params, tokens, positions=None, lengths=None, cache=None):
+  return _jitted_forward(config)(params, jnp.asarray(tokens), positions, lengths, cache)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -241,7 +251,8 @@ def test_layers_are_scanned_so_the_program_does_not_grow_with_depth():
   def program_size(layers):
     config = models.tiny_config(num_hidden_layers=layers)
     params = jax.eval_shape(lambda: models.init_params(config, jax.random.key(0)))
-    jaxpr = jax.make_jaxpr(lambda p: _forward(config, p, jnp.zeros((1, 4), jnp.int32)).logits)(params)
+    apply = lambda p: models.Transformer(config).apply({"params": p}, jnp.zeros((1, 4), jnp.int32))
+    jaxpr = jax.make_jaxpr(lambda p: apply(p).logits)(params)
     scans = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
     assert len(scans) == 1 and scans[0].params["length"] == layers
     return len(jaxpr.jaxpr.eqns)
