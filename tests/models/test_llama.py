@@ -40,8 +40,11 @@ def tiny():
 def _jitted_forward(config):
   # One jitted function per config: eager `apply` re-traces (and recompiles) the layer scan every call.
   def forward(params, tokens, positions, lengths, cache):
-    return models.Transformer(config).apply({"params": params}, tokens, positions=positions,
-                                            lengths=lengths, cache=cache)
+    if cache is None:
+      return models.Transformer(config).apply({"params": params}, tokens, positions=positions,
+                                              lengths=lengths)
+    return models.cached_forward(params, config, tokens, cache, positions=positions,
+                                 lengths=lengths, compute_logits=True)
   return jax.jit(forward)
 
 
@@ -170,6 +173,19 @@ def test_cache_prefill_decode_and_extend_match_full_recompute(tiny):
   pieces.append(np.asarray(out.logits))
   np.testing.assert_allclose(np.concatenate(pieces, 1), full, atol=1e-4)
   np.testing.assert_array_equal(np.asarray(out.cache.end), [14, 14])
+
+
+def test_prepared_decode_params_give_the_same_results(tiny):
+  config, params = tiny
+  prepared = models.prepare_decode_params(params, config)
+  assert len(prepared.layers) == config.num_hidden_layers
+  assert models.prepare_decode_params(prepared, config) is prepared
+  tokens = np.array([[5, 6, 7, 8]], np.int32)
+  raw = _forward(config, params, tokens, cache=models.init_cache(config, 1, 6)).logits
+  fast = _forward(config, prepared, tokens, cache=models.init_cache(config, 1, 6)).logits
+  np.testing.assert_array_equal(np.asarray(raw), np.asarray(fast))
+  bf16 = models.prepare_decode_params(params, config.replace(dtype="bfloat16"))
+  assert bf16.layers[0]["mlp"]["up_proj"]["kernel"].dtype == jnp.bfloat16
 
 
 def test_cache_with_ragged_rows_matches_each_row_alone(tiny):

@@ -1,11 +1,13 @@
 """Llama-family policy and critic models, their configs, caches and sharding rules."""
 
 from longhorizon.models.config import ModelConfig, RopeScaling, tiny_config
-from longhorizon.models.llama import (Critic, DecoderOutput, KVCache, PolicyWithValue, Transformer,
-                                      ValueHead, init_cache, unembedding)
+from longhorizon.models.llama import (Critic, DecodeParams, DecoderOutput, KVCache, PolicyWithValue,
+                                      Transformer, ValueHead, cached_forward, decode_logits,
+                                      init_cache, prepare_decode_params, unembedding)
 
 __all__ = ["ModelConfig", "RopeScaling", "tiny_config", "Transformer", "Critic", "PolicyWithValue",
-           "ValueHead", "KVCache", "DecoderOutput", "init_cache", "unembedding", "init_params"]
+           "ValueHead", "KVCache", "DecodeParams", "DecoderOutput", "init_cache", "unembedding",
+           "init_params", "prepare_decode_params", "cached_forward", "decode_logits"]
 
 
 def init_params(config: ModelConfig, key):

@@ -94,8 +94,9 @@ def load(path_or_alias: PathLike):
 
 # ------------------------------------------------------------------------ state dict <-> param tree
 
+@functools.lru_cache(maxsize=16)
 def _expected_tree(config: ModelConfig):
-  """ShapeDtypeStructs of `init_params(config, key)` (no FLOPs, no memory)."""
+  """ShapeDtypeStructs of `init_params(config, key)` (no FLOPs, no memory; traced once per config)."""
   from longhorizon.models import init_params
   return jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
 
@@ -135,8 +136,8 @@ def state_dict_to_params(tensors: Mapping[str, np.ndarray], config: ModelConfig,
     where: optional `name -> "file: tensor 'x'"` describing where a tensor came from (GGUF names).
 
   Raises:
-    KeyError: a needed tensor is missing (names the tensor and the file).
-    ValueError: a tensor has the wrong shape, or a tensor is left over unused.
+    ValueError: a needed tensor is missing, has the wrong shape, or a tensor is left over unused
+      (the message names the file, the tensor, and the expected shape).
   """
   where = where or (lambda name: f"{source}: tensor {name!r}")
   expected = _expected_tree(config)
@@ -144,7 +145,7 @@ def state_dict_to_params(tensors: Mapping[str, np.ndarray], config: ModelConfig,
 
   def fetch(name: str, shape: tuple[int, ...]) -> np.ndarray:
     if name not in tensors:
-      raise KeyError(f"{source}: missing tensor {name!r} (expected shape {shape} for "
+      raise ValueError(f"{source}: missing tensor {name!r} (expected shape {shape} for "
                      f"{_describe(config)}).")
     value = np.asarray(tensors[name])
     if tuple(value.shape) != shape:
@@ -207,14 +208,6 @@ def _describe(config: ModelConfig) -> str:
           f"{config.num_key_value_heads}, head_dim={config.dims_per_head})")
 
 
-def _canonical(config: ModelConfig) -> ModelConfig:
-  """`head_dim=None` when it is the default `hidden_size // heads` (so save/load round-trips equal)."""
-  if config.head_dim is not None and config.head_dim * config.num_attention_heads == (
-      config.hidden_size) and config.hidden_size % config.num_attention_heads == 0:
-    return config.replace(head_dim=None)
-  return config
-
-
 # -------------------------------------------------------------------------------- HF folders
 
 def _safetensors_files(folder: pathlib.Path) -> list[pathlib.Path]:
@@ -267,6 +260,9 @@ class _LazySafetensors(Mapping[str, np.ndarray]):
     except Exception as e:
       raise ValueError(f"{f}: cannot read tensor {name!r}: {e}") from e
 
+  def __contains__(self, name) -> bool:
+    return name in self._file_of
+
   def __iter__(self) -> Iterator[str]:
     return iter(self._file_of)
 
@@ -285,7 +281,7 @@ def load_hf(folder: PathLike):
     hf = json.loads(config_path.read_text())
   except json.JSONDecodeError as e:
     raise ValueError(f"{config_path}: invalid JSON: {e}") from e
-  config = _canonical(ModelConfig.from_hf(hf, source=str(config_path)))
+  config = ModelConfig.from_hf(hf, source=str(config_path))
   files = _safetensors_files(folder)
   tensors = _LazySafetensors(files)
   source = str(files[0]) if len(files) == 1 else f"{folder} ({len(files)} safetensors shards)"
@@ -296,8 +292,10 @@ def load_hf(folder: PathLike):
 def _load_hf_tokenizer(folder: pathlib.Path):
   if not (folder / "tokenizer.json").exists():
     return None
-  from transformers import AutoTokenizer
-  tokenizer = AutoTokenizer.from_pretrained(str(folder))
+  # `tokenizer.json` exactly as written (AutoTokenizer may pick a model-specific class from
+  # config.json that rebuilds the pipeline differently); specials and template from tokenizer_config.
+  from transformers import PreTrainedTokenizerFast
+  tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder))
   template_file = folder / "chat_template.jinja"
   if not tokenizer.chat_template and template_file.exists():
     tokenizer.chat_template = template_file.read_text()
@@ -411,6 +409,9 @@ def _open_gguf(path: pathlib.Path):
                      f"{type(e).__name__}: {e}") from e
 
 
+_REQUIRED = object()  # `_field` default meaning "raise if absent"
+
+
 def _field(reader, key: str, default: Any = None, *, path: pathlib.Path | None = None):
   field = reader.fields.get(key)
   if field is None:
@@ -421,9 +422,6 @@ def _field(reader, key: str, default: Any = None, *, path: pathlib.Path | None =
   if isinstance(value, float):  # stored as float32: 1e-5 comes back as 9.99999974738e-06
     value = float(str(np.float32(value)))
   return value
-
-
-_REQUIRED = object()
 
 
 def gguf_config(reader, path: PathLike = "model.gguf") -> ModelConfig:
@@ -465,7 +463,7 @@ def gguf_config(reader, path: PathLike = "model.gguf") -> ModelConfig:
       max_position_embeddings=int(get("context_length", 8192)),
       model_type=_GGUF_ARCHITECTURES[arch][0],
   )
-  return _canonical(config)
+  return config
 
 
 class _LazyGGUF(Mapping[str, np.ndarray]):
@@ -512,6 +510,9 @@ class _LazyGGUF(Mapping[str, np.ndarray]):
     elif self._permuted and gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
       value = unpermute_qk(value, self._config.num_key_value_heads)
     return value
+
+  def __contains__(self, name) -> bool:
+    return name in self._hf_to_gguf
 
   def __iter__(self):
     return iter(self._hf_to_gguf)

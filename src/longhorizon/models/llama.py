@@ -1,7 +1,8 @@
 """Pure-functional Flax (Linen) decoder for the Llama family, with an optional KV cache, and critics.
 
-One code path serves training (no cache) and sampling (prefill / decode / extend are all "append
-`T` new tokens to a cache"). Masks come from per-row lengths and slot indices, never from token
+`Transformer` runs whole sequences (training, scoring) with its layers under `nn.scan`;
+`cached_forward` runs the same `Block`s one by one on per-layer weights and KV caches for sampling
+(prefill / decode / extend are all "append `T` new tokens to a cache"). Masks come from per-row lengths and slot indices, never from token
 values: a pad id may be a real token (SmolLM2 pads with `<|im_end|>`, which also ends every turn).
 
 Parameter tree (HF-like names, so checkpoint mapping is mechanical; layer params stacked on axis 0):
@@ -28,22 +29,37 @@ import numpy as np
 
 from longhorizon.models.config import ModelConfig
 
-__all__ = ["KVCache", "DecoderOutput", "Transformer", "ValueHead", "Critic", "PolicyWithValue",
-           "init_cache", "rope_frequencies"]
+__all__ = ["KVCache", "DecodeParams", "DecoderOutput", "Transformer", "ValueHead", "Critic",
+           "PolicyWithValue", "init_cache", "prepare_decode_params", "cached_forward", "decode_logits",
+           "rope_frequencies", "unembedding"]
 
 _F32 = jnp.float32
 
 
 @flax.struct.dataclass
 class KVCache:
-  """Keys and values of every layer for `S` slots per row; slot `i` holds the token at position `i`."""
-  k: jax.Array  # [L, B, S, KV, hd] compute dtype
-  v: jax.Array  # [L, B, S, KV, hd] compute dtype
+  """Keys and values of every layer for `S` slots per row; slot `i` holds the token at position `i`.
+
+  One array per layer (not one stacked `[L, ...]` array): a decode step then updates each layer's
+  cache in place instead of slicing a copy out of, and writing it back into, a stacked array."""
+  k: tuple  # L x [B, S, KV, hd] compute dtype
+  v: tuple  # L x [B, S, KV, hd] compute dtype
   end: jax.Array  # [B] int32: number of filled slots (next write slot) per row
 
   @property
   def capacity(self) -> int:
-    return self.k.shape[2]
+    return self.k[0].shape[1]
+
+
+@flax.struct.dataclass
+class DecodeParams:
+  """Parameters laid out for cached decoding (see `prepare_decode_params`): every layer's weights
+  as separate arrays in the compute dtype. A `lax.scan` over stacked weights slices (copies) each
+  layer's matrices every step; at batch 1 that copy costs as much as the matmul that reads them."""
+  embed: jax.Array  # [V, D]
+  norm: dict  # {"scale": [D]}
+  lm_head: jax.Array | None  # [D, V] when embeddings are untied
+  layers: tuple  # L per-layer param trees of `Block`
 
 
 @flax.struct.dataclass
@@ -55,11 +71,31 @@ class DecoderOutput:
 
 def init_cache(config: ModelConfig, batch_size: int, capacity: int) -> KVCache:
   """An empty cache of `capacity` slots per row."""
-  shape = (config.num_hidden_layers, batch_size, capacity, config.num_key_value_heads,
-           config.dims_per_head)
+  shape = (batch_size, capacity, config.num_key_value_heads, config.dims_per_head)
   dtype = jnp.dtype(config.dtype)
-  return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+  zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers))
+  return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers)),
                  end=jnp.zeros((batch_size,), jnp.int32))
+
+
+def prepare_decode_params(params, config: ModelConfig) -> DecodeParams:
+  """Splits `Transformer` params into per-layer arrays in the compute dtype, for `cached_forward`.
+
+  Do it once per policy version (it copies the weights); jitted callers may also pass raw params,
+  which are then split inside the compiled function on every call."""
+  if isinstance(params, DecodeParams):
+    return params
+  dtype = jnp.dtype(config.dtype)
+  cast = lambda a: jnp.asarray(a).astype(dtype) if jnp.issubdtype(jnp.asarray(a).dtype,
+                                                                   jnp.floating) else jnp.asarray(a)
+  layers = tuple(
+      jax.tree_util.tree_map(lambda a, l=l: cast(a[l]), params["layers"])
+      for l in range(config.num_hidden_layers))
+  return DecodeParams(
+      embed=cast(params["embed_tokens"]["embedding"]),
+      norm={"scale": jnp.asarray(params["norm"]["scale"])},
+      lm_head=None if config.tie_word_embeddings else cast(params["lm_head"]["kernel"]),
+      layers=layers)
 
 
 def rope_frequencies(config: ModelConfig) -> np.ndarray:
@@ -182,22 +218,32 @@ _REMAT_POLICIES = {
 }
 
 
-class Transformer(nn.Module):
-  """Llama-family decoder.
+def _attention_mask(start, lengths, t, key_slots):
+  """`[B, T, S]` bool: a key is visible if it is a real, already written token at or before the query.
 
-  Call: `Transformer(config).apply({"params": params}, tokens, ...)`.
+  Queries of row `b` sit at slots `start[b] + t`; `lengths[b]` of the `T` new tokens are real."""
+  query_slots = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+  new_end = start + lengths.astype(jnp.int32)
+  mask = (key_slots[None, None, :] < new_end[:, None, None]) & (
+      key_slots[None, None, :] <= query_slots[:, :, None])
+  return mask, query_slots, new_end
+
+
+class Transformer(nn.Module):
+  """Llama-family decoder over whole sequences (training, scoring); layers under `nn.scan`.
+
+  Call: `Transformer(config).apply({"params": params}, tokens, ...)`. Cached incremental decoding
+  (prefill / decode / extend) is `cached_forward`, which runs the same `Block`s.
 
   Args (of `__call__`):
     tokens: `[B, T]` int token ids.
-    positions: `[B, T]` int position ids; default `end + arange(T)` (`end` = 0 without a cache).
+    positions: `[B, T]` int position ids; default `arange(T)`.
     lengths: `[B]` int number of real tokens at the start of each row (right padding); default `T`.
       Padding tokens never act as keys, whatever their id.
-    cache: optional `KVCache`; the `T` tokens are appended at slots `end[b] + t` and attend to every
-      filled slot `<=` their own; the returned cache has `end += lengths`.
     compute_logits: also return float32 `[B, T, V]` logits.
 
   Returns:
-    `DecoderOutput(hidden, logits, cache)`.
+    `DecoderOutput(hidden, logits, cache=None)`.
   """
   config: ModelConfig
 
@@ -218,34 +264,19 @@ class Transformer(nn.Module):
     if not cfg.tie_word_embeddings:
       self.lm_head = _dense(cfg.vocab_size, ("embed", "vocab"), cfg)
 
-  def __call__(self, tokens, positions=None, lengths=None, cache: KVCache | None = None,
-               compute_logits: bool = True) -> DecoderOutput:
+  def __call__(self, tokens, positions=None, lengths=None, compute_logits: bool = True) -> DecoderOutput:
     b, t = tokens.shape
-    start = jnp.zeros((b,), jnp.int32) if cache is None else cache.end
-    offsets = jnp.arange(t, dtype=jnp.int32)
     if positions is None:
-      positions = start[:, None] + offsets[None, :]
+      positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     if lengths is None:
       lengths = jnp.full((b,), t, jnp.int32)
-    query_slots = start[:, None] + offsets[None, :]  # [B, T]
-    new_end = start + lengths.astype(jnp.int32)
-    if cache is None:
-      key_slots = offsets  # the T tokens themselves
-      layer_cache = None
-    else:
-      key_slots = jnp.arange(cache.capacity, dtype=jnp.int32)
-      layer_cache = (cache.k, cache.v)
-    # [B, T, S]: a key is visible if it is a real, already written token at or before the query.
-    mask = (key_slots[None, None, :] < new_end[:, None, None]) & (
-        key_slots[None, None, :] <= query_slots[:, :, None])
+    mask, query_slots, _ = _attention_mask(jnp.zeros((b,), jnp.int32), lengths, t,
+                                           jnp.arange(t, dtype=jnp.int32))
     x = self.embed_tokens(tokens)
-    x, new_layer_cache = self.layers(x, layer_cache, positions, mask, query_slots)
+    x, _ = self.layers(x, None, positions, mask, query_slots)
     hidden = self.norm(x)
     logits = self.logits(hidden) if compute_logits else None
-    new_cache = None
-    if cache is not None:
-      new_cache = KVCache(k=new_layer_cache[0], v=new_layer_cache[1], end=new_end)
-    return DecoderOutput(hidden=hidden, logits=logits, cache=new_cache)
+    return DecoderOutput(hidden=hidden, logits=logits, cache=None)
 
   def logits(self, hidden):
     """float32 `[..., V]` logits of final-normed hidden states."""
@@ -254,6 +285,55 @@ class Transformer(nn.Module):
       return jnp.einsum("...d,vd->...v", hidden, table.astype(hidden.dtype),
                         preferred_element_type=_F32)
     return self.lm_head(hidden).astype(_F32)
+
+
+def decode_logits(params: DecodeParams, config: ModelConfig, hidden):
+  """float32 `[..., V]` logits of final-normed hidden states, from `DecodeParams`."""
+  if config.tie_word_embeddings:
+    return jnp.einsum("...d,vd->...v", hidden, params.embed.astype(hidden.dtype),
+                      preferred_element_type=_F32)
+  return jnp.einsum("...d,dv->...v", hidden, params.lm_head.astype(hidden.dtype),
+                    preferred_element_type=_F32)
+
+
+def cached_forward(params, config: ModelConfig, tokens, cache: KVCache, positions=None,
+                   lengths=None, compute_logits: bool = False) -> DecoderOutput:
+  """Appends `tokens[B, T]` to `cache` and returns their hidden states (and optionally logits).
+
+  The `T` tokens of row `b` are written at slots `cache.end[b] + t` (slots past the capacity are
+  dropped) and attend to every filled slot up to their own; `lengths[b]` of them are real (right
+  padding; default `T`), and the returned cache has `end += lengths`. Positions default to the slots.
+  The layers are the `Block`s of `Transformer`, applied one by one on per-layer weights and caches
+  (see `DecodeParams`), so results equal `Transformer` on the whole sequence.
+
+  Args:
+    params: `DecodeParams` (from `prepare_decode_params`) or raw `Transformer` params.
+    config: the model config.
+    tokens: `[B, T]` int ids.
+    cache: the `KVCache` to extend.
+    positions: optional `[B, T]` position ids.
+    lengths: optional `[B]` int real tokens per row.
+    compute_logits: also return `[B, T, V]` float32 logits.
+  """
+  params = prepare_decode_params(params, config)
+  b, t = tokens.shape
+  if lengths is None:
+    lengths = jnp.full((b,), t, jnp.int32)
+  mask, query_slots, new_end = _attention_mask(cache.end, lengths, t,
+                                               jnp.arange(cache.capacity, dtype=jnp.int32))
+  if positions is None:
+    positions = query_slots
+  x = jnp.take(params.embed, tokens, axis=0).astype(jnp.dtype(config.dtype))
+  block = Block(config)
+  new_k, new_v = [], []
+  for layer_params, k, v in zip(params.layers, cache.k, cache.v):
+    x, (k, v) = block.apply({"params": layer_params}, x, (k, v), positions, mask, query_slots)
+    new_k.append(k)
+    new_v.append(v)
+  hidden = RMSNorm(config.rms_norm_eps, config.param_dtype).apply({"params": params.norm}, x)
+  logits = decode_logits(params, config, hidden) if compute_logits else None
+  return DecoderOutput(hidden=hidden, logits=logits,
+                       cache=KVCache(k=tuple(new_k), v=tuple(new_v), end=new_end))
 
 
 def unembedding(params, config: ModelConfig):
@@ -291,6 +371,6 @@ class PolicyWithValue(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens, positions=None, lengths=None, cache=None, compute_logits=True):
-    out = Transformer(self.config, name="trunk")(tokens, positions, lengths, cache, compute_logits)
+  def __call__(self, tokens, positions=None, lengths=None, compute_logits=True):
+    out = Transformer(self.config, name="trunk")(tokens, positions, lengths, compute_logits)
     return out, ValueHead(name="value_head")(out.hidden)

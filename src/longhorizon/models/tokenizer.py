@@ -191,44 +191,42 @@ def word_level_tokenizer(words: Sequence[str], special_tokens: Mapping[str, str]
 # - A `tool` message (the environment's observation) renders as a user turn wrapping its content
 #   in <tool_response></tool_response>.
 # - `add_generation_prompt` appends `<|im_start|>assistant\n`.
-TOOL_CALL_TEMPLATE = r"""
-{%- set system_text = messages[0]['content'] if messages and messages[0]['role'] == 'system' else (default_system if default_system is defined else 'You are a helpful assistant.') -%}
-{%- if tools or (messages and messages[0]['role'] == 'system') -%}
-{{ '<|im_start|>system\n' + system_text }}
-{%- if tools %}
-
-# Tools
-
-You can call the following tools. Their JSON schemas:
-<tools>
-{%- for tool in tools %}
-{{ (tool['function'] if tool['function'] is defined else tool) | tojson }}
-{%- endfor %}
-</tools>
-
-To call a tool, answer with exactly one tool call and nothing after it, in this form:
-<tool_call>{"name": "<tool name>", "arguments": {<argument name>: <value>, ...}}</tool_call>
-The result comes back in a <tool_response></tool_response> block.
-{%- endif %}
-{{- '<|im_end|>\n' }}
-{%- endif -%}
-{%- for message in messages -%}
-{%- if loop.first and message['role'] == 'system' -%}
-{%- elif message['role'] == 'tool' -%}
-{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}
-{%- else -%}
-{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}
-{%- for call in (message['tool_calls'] or []) -%}
-{%- set fn = call['function'] if call['function'] is defined else call -%}
-{{ '<tool_call>{"name": ' + (fn['name'] | tojson) + ', "arguments": ' + (fn['arguments'] if fn['arguments'] is string else (fn['arguments'] | tojson)) + '}</tool_call>' }}
-{%- endfor -%}
-{{ '<|im_end|>\n' }}
-{%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-{{ '<|im_start|>assistant\n' }}
-{%- endif -%}
-"""
+TOOL_CALL_TEMPLATE = (
+    "{%- set has_system = messages and messages[0]['role'] == 'system' -%}"
+    "{%- if has_system -%}{%- set system_text = messages[0]['content'] -%}"
+    "{%- elif default_system is defined -%}{%- set system_text = default_system -%}"
+    "{%- else -%}{%- set system_text = 'You are a helpful assistant.' -%}{%- endif -%}"
+    "{%- if tools or has_system -%}"
+    "{{- '<|im_start|>system\\n' + system_text -}}"
+    "{%- if tools -%}"
+    "{{- '\\n\\n# Tools\\n\\nYou can call the following tools. Their JSON schemas:\\n<tools>' -}}"
+    "{%- for tool in tools -%}"
+    "{{- '\\n' + ((tool['function'] if tool['function'] is defined else tool) | tojson) -}}"
+    "{%- endfor -%}"
+    "{{- '\\n</tools>\\n\\nTo call a tool, answer with exactly one tool call and nothing after it, "
+    "in this form:\\n<tool_call>{\"name\": \"<tool name>\", \"arguments\": {<argument name>: <value>, "
+    "...}}</tool_call>\\nThe result comes back in a <tool_response></tool_response> block.' -}}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if loop.first and message['role'] == 'system' -%}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + "
+    "'\\n</tool_response><|im_end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') -}}"
+    "{%- for call in (message['tool_calls'] or []) -%}"
+    "{%- set fn = call['function'] if call['function'] is defined else call -%}"
+    "{{- '<tool_call>{\"name\": ' + (fn['name'] | tojson) + ', \"arguments\": ' + "
+    "(fn['arguments'] if fn['arguments'] is string else (fn['arguments'] | tojson)) + "
+    "'}</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
 
 
 def template_supports_tools(template: str | None) -> bool:
