@@ -39,33 +39,41 @@ _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _DUMP_LOGITS = flags.DEFINE_string("dump_logits", None, "Write input_ids and last_logits to this .npz.")
 
 
-def prompt_ids(tok, messages_json: str | None, prompt: str | None) -> list[int]:
-  """Prompt token ids from `--messages` (chat template) or `--prompt` (raw text)."""
+def parse_messages(messages_json: str | None, prompt: str | None) -> list[dict] | None:
+  """Validates `--messages` / `--prompt` before anything is loaded; returns the chat or None."""
   if (messages_json is None) == (prompt is None):
     raise app.UsageError("Give exactly one of --messages (a chat) or --prompt (raw text).")
-  if prompt is not None:
-    return tok.encode(prompt, add_special_tokens=False)
+  if messages_json is None:
+    return None
   try:
     messages = json.loads(messages_json)
   except json.JSONDecodeError as e:
     raise app.UsageError(f"--messages is not valid JSON ({e}); expected a list like "
                          '[{"role": "user", "content": "..."}].') from e
-  if not isinstance(messages, list) or not all(
+  if not isinstance(messages, list) or not messages or not all(
       isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-      for m in messages) or not messages:
+      for m in messages):
     raise app.UsageError('--messages must be a non-empty JSON list of {"role": str, "content": str} '
                          f"objects, got {messages_json!r}.")
+  return messages
+
+
+def prompt_ids(tok, messages: list[dict] | None, prompt: str | None) -> list[int]:
+  """Prompt token ids from the chat (its template, generation prompt added) or the raw text."""
+  if messages is None:
+    return tok.encode(prompt, add_special_tokens=False)
   return list(tokenizer_lib.render_chat(tok, messages, add_generation_prompt=True))
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  messages = parse_messages(_MESSAGES.value, _PROMPT.value)
   logging.info("jax %s on %s", jax.__version__, jax.devices())
   start = time.perf_counter()
   config, params, tok = checkpoint.load(_CHECKPOINT.value)
   logging.info("Loaded %s in %.1f s", _CHECKPOINT.value, time.perf_counter() - start)
-  ids = prompt_ids(tok, _MESSAGES.value, _PROMPT.value)
+  ids = prompt_ids(tok, messages, _PROMPT.value)
   if not ids:
     raise app.UsageError("The prompt is empty.")
   stop = tuple(t for t in {tok.eos_token_id} if t is not None)
