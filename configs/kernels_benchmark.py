@@ -2,12 +2,12 @@
 
 Launch (from the repository root; prints one table, writes it to the JSON file):
 
-  python experiments/benchmarks/kernels.py --config=configs/kernels_benchmark.py \
+  python experiments/benchmarks/core_kernels.py --config=configs/kernels_benchmark.py \
       --out=results/kernels.json
 
 Smoke run (every size shrunk; the whole benchmark takes well under 20 s on a 2-core CPU):
 
-  python experiments/benchmarks/kernels.py --config=configs/kernels_benchmark.py:smoke
+  python experiments/benchmarks/core_kernels.py --config=configs/kernels_benchmark.py:smoke
 
 Expected result (full config, 2-core CPU): every kernel timed at B=1024, T=512; GAE >= 5x faster than
 a NumPy reverse loop over time vectorised over the batch, and GiGPO >= 20x faster than Python-dict

@@ -5,4 +5,4 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash scripts/setup_env.sh
-exec .venv/bin/python experiments/benchmarks/kernels.py --out=results/kernels.json "$@"
+exec .venv/bin/python experiments/benchmarks/core_kernels.py --out=results/kernels.json "$@"

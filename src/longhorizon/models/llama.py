@@ -42,13 +42,13 @@ class KVCache:
 
   One array per layer (not one stacked `[L, ...]` array): a decode step then updates each layer's
   cache in place instead of slicing a copy out of, and writing it back into, a stacked array."""
-  k: tuple  # L x [B, S, KV, hd] compute dtype
-  v: tuple  # L x [B, S, KV, hd] compute dtype
+  k: tuple  # L x [B, KV, S, hd] compute dtype
+  v: tuple  # L x [B, KV, S, hd] compute dtype
   end: jax.Array  # [B] int32: number of filled slots (next write slot) per row
 
   @property
   def capacity(self) -> int:
-    return self.k[0].shape[1]
+    return self.k[0].shape[2]
 
 
 @flax.struct.dataclass
@@ -71,7 +71,7 @@ class DecoderOutput:
 
 def init_cache(config: ModelConfig, batch_size: int, capacity: int) -> KVCache:
   """An empty cache of `capacity` slots per row."""
-  shape = (batch_size, capacity, config.num_key_value_heads, config.dims_per_head)
+  shape = (batch_size, config.num_key_value_heads, capacity, config.dims_per_head)
   dtype = jnp.dtype(config.dtype)
   zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers))
   return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers)),
@@ -166,19 +166,21 @@ class Attention(nn.Module):
     v = v.reshape(b, t, kv, hd)
     if layer_k is not None:
       # Write the new keys/values at their slots; slots past the capacity are dropped (never wrap).
+      # Cache layout [B, KV, S, hd]: each head's keys are contiguous, so the attention matmuls read
+      # the cache as it lies (with [B, S, KV, hd], XLA:CPU transposed the whole cache every step).
       rows = jnp.arange(b)[:, None]
-      layer_k = layer_k.at[rows, slots].set(k.astype(layer_k.dtype), mode="drop")
-      layer_v = layer_v.at[rows, slots].set(v.astype(layer_v.dtype), mode="drop")
+      layer_k = layer_k.at[rows, :, slots].set(k.astype(layer_k.dtype), mode="drop")
+      layer_v = layer_v.at[rows, :, slots].set(v.astype(layer_v.dtype), mode="drop")
       keys, values = layer_k, layer_v
     else:
-      keys, values = k, v
+      keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     groups = h // kv
     q = q.reshape(b, t, kv, groups, hd)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, keys.astype(q.dtype),
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, keys.astype(q.dtype),
                         preferred_element_type=_F32) / math.sqrt(hd)
     scores = jnp.where(mask[:, None, None, :, :], scores, -1e30)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, values.astype(q.dtype)).reshape(b, t, h * hd)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs, values.astype(q.dtype)).reshape(b, t, h * hd)
     out = _dense(cfg.hidden_size, ("heads", "embed"), cfg, name="o_proj")(out)
     return out, layer_k, layer_v
 

@@ -1,7 +1,7 @@
 r"""Times every public kernel of `longhorizon.core` and checks the DESIGN.md advantage-kernel bars.
 
-  python experiments/benchmarks/kernels.py --config=configs/kernels_benchmark.py --out=results/kernels.json
-  python experiments/benchmarks/kernels.py --config=configs/kernels_benchmark.py:smoke
+  python experiments/benchmarks/core_kernels.py --config=configs/kernels_benchmark.py --out=results/kernels.json
+  python experiments/benchmarks/core_kernels.py --config=configs/kernels_benchmark.py:smoke
 
 Token-level kernels run at `[B, T]` (default 1024 x 512) on multi-turn masks (a prompt span, then
 alternating action and observation spans, padding; different per row); grpo/rloo on `N = B` scores in
