@@ -220,8 +220,7 @@ def test_rope_rotation_matches_reference_at_large_positions():
   positions = np.array([[0, 1000, 7999]])
   config = models.tiny_config(hidden_size=16, num_attention_heads=2, num_key_value_heads=2,
                               rope_theta=1e5)
-  got = np.asarray(llama._apply_rope(jnp.asarray(x), jnp.asarray(positions),
-                                     llama.rope_frequencies(config)))
+  got = np.asarray(llama._apply_rope(jnp.asarray(x), llama.rope_tables(jnp.asarray(positions), config)))
   want = _np_rope(x[0].astype(np.float64), positions[0], 1e5)
   np.testing.assert_allclose(got[0], want, atol=2e-3)
 

@@ -31,7 +31,7 @@ from longhorizon.models.config import ModelConfig
 
 __all__ = ["KVCache", "DecodeParams", "DecoderOutput", "Transformer", "ValueHead", "Critic",
            "PolicyWithValue", "init_cache", "prepare_decode_params", "cached_forward", "decode_logits",
-           "rope_frequencies", "unembedding"]
+           "rope_frequencies", "rope_tables", "unembedding"]
 
 _F32 = jnp.float32
 
@@ -117,11 +117,17 @@ def rope_frequencies(config: ModelConfig) -> np.ndarray:
   return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def _apply_rope(x, positions, inv_freq):
-  """Rotary embedding in the HF "rotate half" layout. x: [B, T, N, hd], positions: [B, T]."""
-  freqs = positions.astype(_F32)[..., None] * jnp.asarray(inv_freq)  # [B, T, hd/2]
+def rope_tables(positions, config: ModelConfig):
+  """`(cos, sin)`, each `[B, T, 1, hd]` float32, for `positions [B, T]`; computed once per forward
+  pass and shared by every layer."""
+  freqs = positions.astype(_F32)[..., None] * jnp.asarray(rope_frequencies(config))  # [B, T, hd/2]
   emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-  cos, sin = jnp.cos(emb), jnp.sin(emb)
+  return jnp.cos(emb), jnp.sin(emb)
+
+
+def _apply_rope(x, rope):
+  """Rotary embedding in the HF "rotate half" layout. x: [B, T, N, hd], rope: `rope_tables(...)`."""
+  cos, sin = rope
   x32 = x.astype(_F32)
   half = x.shape[-1] // 2
   rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
@@ -153,16 +159,15 @@ class Attention(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x, positions, mask, slots, layer_k, layer_v):
+  def __call__(self, x, rope, mask, slots, layer_k, layer_v):
     cfg = self.config
     b, t, _ = x.shape
     h, kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dims_per_head
     q = _dense(h * hd, ("embed", "heads"), cfg, use_bias=cfg.attention_bias, name="q_proj")(x)
     k = _dense(kv * hd, ("embed", "kv_heads"), cfg, use_bias=cfg.attention_bias, name="k_proj")(x)
     v = _dense(kv * hd, ("embed", "kv_heads"), cfg, use_bias=cfg.attention_bias, name="v_proj")(x)
-    inv_freq = rope_frequencies(cfg)
-    q = _apply_rope(q.reshape(b, t, h, hd), positions, inv_freq)
-    k = _apply_rope(k.reshape(b, t, kv, hd), positions, inv_freq)
+    q = _apply_rope(q.reshape(b, t, h, hd), rope)
+    k = _apply_rope(k.reshape(b, t, kv, hd), rope)
     v = v.reshape(b, t, kv, hd)
     if layer_k is not None:
       # Write the new keys/values at their slots; slots past the capacity are dropped (never wrap).
@@ -201,12 +206,12 @@ class Block(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x, layer_cache, positions, mask, slots):
+  def __call__(self, x, layer_cache, rope, mask, slots):
     cfg = self.config
     layer_k, layer_v = layer_cache if layer_cache is not None else (None, None)
     x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
     h = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype, name="input_layernorm")(x)
-    attn, layer_k, layer_v = Attention(cfg, name="self_attn")(h, positions, mask, slots, layer_k,
+    attn, layer_k, layer_v = Attention(cfg, name="self_attn")(h, rope, mask, slots, layer_k,
                                                                layer_v)
     x = x + attn
     h = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype, name="post_attention_layernorm")(x)
@@ -275,7 +280,7 @@ class Transformer(nn.Module):
     mask, query_slots, _ = _attention_mask(jnp.zeros((b,), jnp.int32), lengths, t,
                                            jnp.arange(t, dtype=jnp.int32))
     x = self.embed_tokens(tokens)
-    x, _ = self.layers(x, None, positions, mask, query_slots)
+    x, _ = self.layers(x, None, rope_tables(positions, self.config), mask, query_slots)
     hidden = self.norm(x)
     logits = self.logits(hidden) if compute_logits else None
     return DecoderOutput(hidden=hidden, logits=logits, cache=None)
@@ -327,9 +332,10 @@ def cached_forward(params, config: ModelConfig, tokens, cache: KVCache, position
     positions = query_slots
   x = jnp.take(params.embed, tokens, axis=0).astype(jnp.dtype(config.dtype))
   block = Block(config)
+  rope = rope_tables(positions, config)
   new_k, new_v = [], []
   for layer_params, k, v in zip(params.layers, cache.k, cache.v):
-    x, (k, v) = block.apply({"params": layer_params}, x, (k, v), positions, mask, query_slots)
+    x, (k, v) = block.apply({"params": layer_params}, x, (k, v), rope, mask, query_slots)
     new_k.append(k)
     new_v.append(v)
   hidden = RMSNorm(config.rms_norm_eps, config.param_dtype).apply({"params": params.norm}, x)
