@@ -26,7 +26,6 @@ Prints one table; `--out` writes the same rows as JSON.
 from __future__ import annotations
 
 import collections
-import json
 import math
 import pathlib
 import statistics
@@ -42,6 +41,7 @@ import ml_collections
 from ml_collections import config_flags
 import numpy as np
 
+import results_io
 from longhorizon.core import advantages as adv_lib
 from longhorizon.core import logprobs as logprobs_lib
 from longhorizon.core import losses as losses_lib
@@ -542,18 +542,8 @@ def main(argv):
     print("\nScaling (cost per element should stay roughly flat):")
     print(_format_scaling(scaling), flush=True)
   if _OUT.value:
-    out = pathlib.Path(_OUT.value)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "jax_version": jax.__version__,
-        "backend": jax.default_backend(),
-        "device_count": jax.device_count(),
-        "device_kind": devices[0].device_kind,
-        "total_s": total_s,
-        "config": config.to_dict(),
-        "rows": rows,
-        "scaling": scaling,
-    }, indent=2) + "\n")
+    out = results_io.write_json(_OUT.value, {"total_s": total_s, "config": config.to_dict(),
+                                             "rows": rows, "scaling": scaling})
     logging.info("Wrote %s", out)
 
 

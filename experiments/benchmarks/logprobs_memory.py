@@ -17,9 +17,7 @@ Defaults are SmolLM2-135M's vocabulary and width at a 2048-token context.
 
 from __future__ import annotations
 
-import json
 import math
-import pathlib
 import time
 
 from absl import app
@@ -29,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import results_io
 from longhorizon.core import logprobs as logprobs_lib
 
 _B = flags.DEFINE_integer("B", 4, "Rows.")
@@ -154,18 +153,12 @@ def main(argv):
         flush=True)
 
   if _OUT.value:
-    out = pathlib.Path(_OUT.value)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "jax_version": jax.__version__,
-        "backend": jax.default_backend(),
-        "device_count": jax.device_count(),
-        "device_kind": devices[0].device_kind,
+    out = results_io.write_json(_OUT.value, {
         "shape": {"B": b, "T": t, "V": v, "D": d, "chunk_size": chunk},
         "logits_bytes": logits_bytes,
         "rows": rows,
         **diffs,
-    }, indent=2) + "\n")
+    })
     logging.info("Wrote %s", out)
 
 

@@ -34,9 +34,7 @@ Prints one table; `--out` writes the rows (and the environment) as JSON.
 
 from __future__ import annotations
 
-import json
 import os
-import pathlib
 import statistics
 import time
 
@@ -47,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import results_io
 from longhorizon import sampling
 from longhorizon.models import checkpoint
 from longhorizon.models import prepare_decode_params
@@ -340,10 +339,8 @@ def main(argv):
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
   print_table(rows)
   if _OUT.value:
-    out = pathlib.Path(_OUT.value)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"rows": rows, "measurements": record, "prompt_tokens": len(ids),
-                               "new_tokens": n, "jax": jax.__version__}, indent=2, default=str))
+    results_io.write_json(_OUT.value, {"rows": rows, "measurements": record,
+                                       "prompt_tokens": len(ids), "new_tokens": n})
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from typing import Sequence
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -96,5 +95,3 @@ def with_rules(fn, mesh: Mesh, rules: Sequence = DEFAULT_RULES):
   with mesh, nn.logical_axis_rules(_rules(rules)):
     return fn()
 
-
-del jnp
