@@ -20,7 +20,8 @@ import re
 from typing import Any, Callable, Mapping, Sequence
 
 __all__ = ["tokenizer_from_gguf", "word_level_tokenizer", "TOOL_CALL_TEMPLATE", "render_chat",
-           "template_supports_tools", "parse_tool_call", "PRE_TOKENIZERS"]
+           "template_supports_tools", "parse_tool_call", "PRE_TOKENIZERS", "chat_text",
+           "char_tokenizer"]
 
 
 # ------------------------------------------------------------------------------------- GGUF BPE
@@ -176,6 +177,35 @@ def word_level_tokenizer(words: Sequence[str], special_tokens: Mapping[str, str]
   return tokenizer
 
 
+def char_tokenizer(special_tokens: Mapping[str, str] | None = None,
+                   extra_special_tokens: Sequence[str] = (), chat_template: str | None = None):
+  """A byte-level tokenizer with no merges: one token per UTF-8 byte, plus special tokens.
+
+  Any text round-trips exactly (`decode(encode(s)) == s`), which suits JSON tool calls from tiny
+  models. Ids: the special tokens first (default `pad=0, unk=1, bos=2, eos=3`), then the extra
+  special tokens, then the 256 byte symbols.
+  """
+  from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+  from transformers import PreTrainedTokenizerFast
+
+  if special_tokens is None:
+    special_tokens = {"pad_token": "<pad>", "unk_token": "<unk>", "bos_token": "<bos>",
+                      "eos_token": "<eos>"}
+  specials = list(dict.fromkeys([*special_tokens.values(), *extra_special_tokens]))
+  vocab = {}
+  for token in [*specials, *pre_tokenizers.ByteLevel.alphabet()]:
+    vocab.setdefault(token, len(vocab))
+  backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=special_tokens.get("unk_token")))
+  backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+  backend.decoder = decoders.ByteLevel()
+  backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+  tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=chat_template,
+                                      clean_up_tokenization_spaces=False, **special_tokens)
+  if extra_special_tokens:
+    tokenizer.add_special_tokens({"additional_special_tokens": list(extra_special_tokens)})
+  return tokenizer
+
+
 # ------------------------------------------------------------------------------- chat and tools
 
 # A ChatML chat template with tool calling, for models whose own template has none (SmolLM2).
@@ -242,14 +272,20 @@ def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], tools: Sequenc
   `tools`, no `tool` messages, no assistant `tool_calls`); otherwise `TOOL_CALL_TEMPLATE`. The text
   is encoded without adding special tokens (the template writes them).
   """
+  text = chat_text(tokenizer, messages, tools, add_generation_prompt, **template_kwargs)
+  return tokenizer.encode(text, add_special_tokens=False)
+
+
+def chat_text(tokenizer, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None = None,
+              add_generation_prompt: bool = True, **template_kwargs) -> str:
+  """The text `render_chat` encodes (same template choice)."""
   own = getattr(tokenizer, "chat_template", None)
   uses_tools = bool(tools) or any(
       m.get("role") == "tool" or m.get("tool_calls") for m in messages)
   template = own if own and (not uses_tools or template_supports_tools(own)) else TOOL_CALL_TEMPLATE
-  text = tokenizer.apply_chat_template(
+  return tokenizer.apply_chat_template(
       [dict(m) for m in messages], tools=list(tools) if tools else None, tokenize=False,
       add_generation_prompt=add_generation_prompt, chat_template=template, **template_kwargs)
-  return tokenizer.encode(text, add_special_tokens=False)
 
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
