@@ -12,12 +12,14 @@ from typing import Callable
 
 from longhorizon.envs.base import Environment, RewardSpec, Transition, batch_reset, batch_step, stack_actions
 from longhorizon.envs.codec import Codec, default_tokenizer
+from longhorizon.envs.wrappers import FAULT_KINDS, FaultInjection, LoopDetector, TimeLimit, ToolCost, Wrapper
 from longhorizon.envs.types import (ERROR_MESSAGES, Action, Arg, EnvState, ErrorCode, TimeStep, Tool,
-                                    hash_tree, row)
+                                    hash_tree, row, to_numpy)
 
 __all__ = ["make", "register", "registered", "Environment", "RewardSpec", "Transition", "Codec",
            "default_tokenizer", "Action", "Arg", "Tool", "EnvState", "ErrorCode", "ERROR_MESSAGES",
-           "TimeStep", "hash_tree", "row", "batch_reset", "batch_step", "stack_actions"]
+           "TimeStep", "hash_tree", "row", "to_numpy", "batch_reset", "batch_step", "stack_actions", "Wrapper",
+           "TimeLimit", "FaultInjection", "ToolCost", "LoopDetector", "FAULT_KINDS"]
 
 # name -> "module:Class" (imported on first use) or a factory.
 _REGISTRY: dict[str, str | Callable[..., Environment]] = {

@@ -176,9 +176,18 @@ def select(pred, on_true, on_false):
   return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
+def to_numpy(tree):
+  """A host copy of a pytree; typed PRNG keys become their uint32 key data."""
+  def leaf(a):
+    if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+      return np.asarray(jax.random.key_data(a))
+    return np.asarray(a)
+  return jax.tree.map(leaf, tree)
+
+
 def row(tree, i: int):
-  """Row `i` of a batched pytree, as NumPy (for host-side codecs)."""
-  return jax.tree.map(lambda a: np.asarray(a)[i], tree)
+  """Row `i` of a batched pytree, as NumPy (for host-side codecs; keys as key data)."""
+  return jax.tree.map(lambda a: a[i], to_numpy(tree))
 
 
 # ------------------------------------------------------------------------------------- hashing

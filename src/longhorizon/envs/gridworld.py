@@ -1,0 +1,330 @@
+"""`gridworld`: walk a text-rendered grid past walls and holes, fetch a key, open a door, reach G.
+
+A square `size x size` grid (FrozenLake/Sokoban-like) holds floor `.`, walls `#`, holes `O`, a key
+`k`, a locked door `D` (shown `d` once the key is held) and the goal `G`; the agent `A` starts on a
+floor cell. The one tool is `move(direction)` with `direction` in (up, down, left, right).
+
+Dynamics of one move (the target cell is the neighbour in `direction`):
+* off the grid, into a wall, into the door without the key, or an unknown direction index: the move
+  is rejected (`Transition.rejected`: counted invalid, `invalid_penalty`), the agent stays and the
+  observation carries `INVALID_ARGUMENT` and the reason (`event`);
+* otherwise the agent moves there. Entering the key cell picks the key up (it disappears; the door
+  is unlocked from then on, the key is never used up); entering a hole ends the episode (terminated,
+  not a success, not a violation); entering the goal ends it, and the verifier accepts exactly the
+  final states with the agent on the goal.
+
+Task layout (`generate_task`): with `key_door` (default), a full row or column of walls (never on
+the border) cuts the grid in two with the door as its only opening; the start and the key lie on
+one side, the goal on the other, so every solution fetches the key and passes the door. Then
+`num_walls` extra walls and `num_holes` holes go on random free cells. Without `key_door` there is
+no barrier, key or door. The shortest solution length comes from a BFS under jit (a min-plus
+relaxation of a distance field, `size**2` rounds of `lax.fori_loop`; through the key cell the
+field continues with the distances of the unlocked grid). 32 candidate layouts are drawn at once
+and the first solvable one whose shortest solution is in the split's length range is kept; if none
+is, the first solvable one; if none is solvable, candidate 0 without its extra walls and holes
+(solvable by construction). Every task is therefore solvable, and the length range holds for all
+but a tiny measured fraction of tasks (see the tests).
+
+Splits: `train` and `test` (same distribution, different seeds) place `num_walls`/`num_holes` and
+keep the shortest solution at most `max_length` moves; `ood` places `ood_num_walls`/`ood_num_holes`
+(more, by default) and needs at least `ood_min_length` (default `max_length + 1`): denser grids
+and longer routes than any train task. The grid shape is the same in every split.
+
+State: `pos` ([2] row, column), `has_key`, `door_open` (the door was entered). The canonical state
+is the layout, `pos`, `has_key` and `door_open` (not the step count): the same cell with the same
+key status is the same state in every rollout of a task, which step-level credit assignment uses.
+
+Milestones: `key` (holding the key), `door` (went through the door), `goal` (reached the goal).
+
+Observation: `grid` ([size, size] int32 cell codes as currently seen: the key removed and the door
+shown open once the key is held), `pos`, `has_key`, `event` (what the last action did, `EV_*`) and
+`error`. `task_difficulty(task)` is the shortest solution length (-1 if unsolvable).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from longhorizon.envs.base import SPLITS, Environment, Transition
+from longhorizon.envs.types import Action, Arg, ErrorCode, Tool
+
+__all__ = ["GridWorld", "FLOOR", "WALL", "HOLE", "KEY", "DOOR", "GOAL", "OPEN_DOOR", "SYMBOLS",
+           "DIRECTIONS", "MOVES"]
+
+# Cell codes of a task's grid; OPEN_DOOR appears only in observations (a door once the key is held).
+FLOOR, WALL, HOLE, KEY, DOOR, GOAL, OPEN_DOOR = range(7)
+SYMBOLS = (".", "#", "O", "k", "D", "G", "d")
+AGENT = "A"
+ROW_SEPARATOR = "/"
+DIRECTIONS = ("up", "down", "left", "right")
+MOVES = ((-1, 0), (1, 0), (0, -1), (0, 1))  # (row, column) step of each direction
+
+# Events: what the last action did (observation["event"]).
+(EV_START, EV_MOVED, EV_KEY, EV_DOOR, EV_HOLE, EV_GOAL, EV_EDGE, EV_WALL, EV_LOCKED,
+ EV_BAD_DIRECTION, EV_ERROR) = range(11)
+_EVENT_WORDS = ("start", "moved", "picked up the key", "went through the door", "fell into a hole",
+                "reached the goal", "blocked : edge of the grid", "blocked : wall",
+                "blocked : the door is locked", "blocked : unknown direction", "error")
+_EVENT_SENTENCES = ("You are at the start.", "You moved.", "You picked up the key.",
+                    "You went through the door.", "You fell into a hole. The episode is over.",
+                    "You reached the goal!", "Blocked: that is the edge of the grid.",
+                    "Blocked: a wall is in the way.",
+                    "Blocked: the door is locked; pick up the key first.",
+                    "Blocked: unknown direction.", "Error.")
+
+_CANDIDATES = 32  # layouts drawn per task; the first acceptable one is kept
+_MIN_SIZE = 3
+_NO_LIMIT = 1 << 20
+
+
+class GridWorld(Environment):
+  """Args:
+    size: side of the square grid (>= 3 with `key_door`, else >= 2).
+    num_walls: extra walls of train/test tasks (besides the barrier of the door).
+    num_holes: holes of train/test tasks.
+    key_door: whether tasks have a key and a locked door on every route to the goal.
+    max_length: longest shortest solution of train/test tasks (None: no limit).
+    ood_num_walls: extra walls of `ood` tasks (default `num_walls + 2`).
+    ood_num_holes: holes of `ood` tasks (default `num_holes + 1`).
+    ood_min_length: shortest solution of `ood` tasks is at least this (default `max_length + 1`,
+      or 0 when `max_length` is None).
+    **reward: `RewardSpec` fields (success_reward, milestone_reward, invalid_penalty, ...).
+  """
+
+  name = "gridworld"
+  version = "1"
+  milestone_names = ("key", "door", "goal")
+
+  def __init__(self, size: int = 5, num_walls: int = 2, num_holes: int = 2, key_door: bool = True,
+               max_length: int | None = 10, ood_num_walls: int | None = None,
+               ood_num_holes: int | None = None, ood_min_length: int | None = None, **reward):
+    super().__init__(**reward)
+    self.size = int(size)
+    self.key_door = bool(key_door)
+    least = _MIN_SIZE if self.key_door else 2
+    if self.size < least:
+      raise ValueError(f"gridworld: size must be >= {least} (key_door={self.key_door}), "
+                       f"got {size}.")
+    self.num_walls, self.num_holes = int(num_walls), int(num_holes)
+    self.ood_num_walls = int(ood_num_walls if ood_num_walls is not None else self.num_walls + 2)
+    self.ood_num_holes = int(ood_num_holes if ood_num_holes is not None else self.num_holes + 1)
+    self.max_length = _NO_LIMIT if max_length is None else int(max_length)
+    if ood_min_length is None:
+      ood_min_length = 0 if max_length is None else self.max_length + 1
+    self.ood_min_length = int(ood_min_length)
+    # Cells left for extra walls and holes: all but the barrier, the start, the key and the goal.
+    free = self.size * self.size - (self.size + 3 if self.key_door else 2)
+    for split, walls, holes in (("train", self.num_walls, self.num_holes),
+                                ("ood", self.ood_num_walls, self.ood_num_holes)):
+      if walls < 0 or holes < 0 or walls + holes > free:
+        raise ValueError(f"gridworld: {split} tasks ask for {walls} walls and {holes} holes, but a "
+                         f"{self.size}x{self.size} grid has {free} free cells; use fewer (or a "
+                         f"larger size), each >= 0.")
+
+  @property
+  def tools(self):
+    direction = Arg("direction", "enum", choices=DIRECTIONS, description="where to step")
+    return (Tool("move", "Step one cell up, down, left or right.", (direction,)),)
+
+  # ------------------------------------------------------------------------------- tasks
+  def generate_task(self, key, split: str = "train"):
+    if split not in SPLITS:
+      raise ValueError(f"gridworld: split must be one of {SPLITS}, got {split!r}.")
+    ood = split == "ood"
+    walls = self.ood_num_walls if ood else self.num_walls
+    holes = self.ood_num_holes if ood else self.num_holes
+    low, high = (self.ood_min_length, _NO_LIMIT) if ood else (0, self.max_length)
+    grids, bare, starts = jax.vmap(lambda k: self._candidate(k, walls, holes))(
+        jax.random.split(key, _CANDIDATES))
+    lengths = jax.vmap(_shortest_length)(grids, starts)
+    solvable = lengths >= 0
+    wanted = solvable & (lengths >= low) & (lengths <= high)
+    pick = jnp.where(wanted.any(), jnp.argmax(wanted), jnp.argmax(solvable))
+    grid = jnp.where(solvable.any(), grids[pick], bare[0])
+    start = jnp.where(solvable.any(), starts[pick], starts[0])
+    return {"grid": grid, "start": start}
+
+  def _candidate(self, key, num_walls: int, num_holes: int):
+    """One random layout: `(grid, grid without extra walls and holes, start)`."""
+    n = self.size * self.size
+    rows, cols = np.divmod(np.arange(n), self.size)
+    index = jnp.arange(n)
+    k_orient, k_line, k_door, k_side, k_cells, k_extra = jax.random.split(key, 6)
+    if self.key_door:
+      vertical = jax.random.bernoulli(k_orient)
+      line = jax.random.randint(k_line, (), 1, self.size - 1)  # never on the border
+      across = jnp.where(vertical, cols, rows)
+      along = jnp.where(vertical, rows, cols)
+      barrier = across == line
+      door = barrier & (along == jax.random.randint(k_door, (), 0, self.size))
+      flip = jax.random.bernoulli(k_side)
+      side_start = jnp.where(flip, across > line, across < line)
+      side_goal = jnp.where(flip, across < line, across > line)
+    else:
+      barrier = door = jnp.zeros((n,), bool)
+      side_start = side_goal = jnp.ones((n,), bool)
+    scores = jax.random.uniform(k_cells, (n,))
+    start = jnp.argmax(jnp.where(side_start, scores, -1.0))
+    key_cell = jnp.argmax(jnp.where(side_start & (index != start), scores, -1.0))
+    has_key = self.key_door
+    taken = (index == start) | ((index == key_cell) & has_key)
+    goal = jnp.argmax(jnp.where(side_goal & ~taken, scores, -1.0))
+    grid = jnp.where(barrier, WALL, FLOOR)
+    grid = jnp.where(door, DOOR, grid)
+    if has_key:
+      grid = grid.at[key_cell].set(KEY)
+    grid = grid.at[goal].set(GOAL).astype(jnp.int32)
+    reserved = barrier | taken | (index == goal)
+    order = jnp.argsort(jnp.where(reserved, 2.0, jax.random.uniform(k_extra, (n,))))
+    extra = jnp.zeros((n,), jnp.int32)
+    extra = extra.at[order[:num_walls]].set(WALL).at[order[num_walls:num_walls + num_holes]].set(HOLE)
+    full = jnp.where(extra > 0, extra, grid)
+    shape = (self.size, self.size)
+    start_rc = jnp.stack([start // self.size, start % self.size]).astype(jnp.int32)
+    return full.reshape(shape), grid.reshape(shape), start_rc
+
+  def task_difficulty(self, task):
+    return _shortest_length(task["grid"], task["start"])
+
+  # ------------------------------------------------------------------------------- dynamics
+  def init(self, task, key):
+    del key
+    inner = {"pos": jnp.asarray(task["start"], jnp.int32), "has_key": jnp.zeros((), bool),
+             "door_open": jnp.zeros((), bool)}
+    return inner, self._observation(task, inner, EV_START)
+
+  def _observation(self, task, inner, event, error=ErrorCode.NONE):
+    grid, has_key = task["grid"], inner["has_key"]
+    view = jnp.where(has_key & (grid == KEY), FLOOR, grid)
+    view = jnp.where(has_key & (grid == DOOR), OPEN_DOOR, view)
+    return {"grid": view.astype(jnp.int32), "pos": inner["pos"], "has_key": has_key,
+            "event": jnp.asarray(event, jnp.int32), "error": jnp.asarray(error, jnp.int32)}
+
+  def transition(self, task, inner, action: Action, key):
+    del key
+    grid, pos, has_key = task["grid"], inner["pos"], inner["has_key"]
+    direction = action.args[0]
+    known = (direction >= 0) & (direction < len(DIRECTIONS))
+    target = pos + jnp.asarray(MOVES, jnp.int32)[jnp.clip(direction, 0, len(DIRECTIONS) - 1)]
+    inside = jnp.all((target >= 0) & (target < self.size))
+    cell = grid[tuple(jnp.clip(target, 0, self.size - 1))]
+    wall = inside & (cell == WALL)
+    locked = inside & (cell == DOOR) & ~has_key
+    rejected = ~known | ~inside | wall | locked
+    new_pos = jnp.where(rejected, pos, target)
+    here = grid[tuple(new_pos)]
+    moved = ~rejected
+    picked = moved & (here == KEY) & ~has_key
+    new_inner = {"pos": new_pos, "has_key": has_key | (here == KEY),
+                 "door_open": inner["door_open"] | (here == DOOR)}
+    fell, arrived = moved & (here == HOLE), moved & (here == GOAL)
+    event = jnp.select(
+        [~known, ~inside, wall, locked, fell, arrived, picked, moved & (here == DOOR)],
+        [EV_BAD_DIRECTION, EV_EDGE, EV_WALL, EV_LOCKED, EV_HOLE, EV_GOAL, EV_KEY, EV_DOOR],
+        EV_MOVED)
+    error = jnp.where(rejected, ErrorCode.INVALID_ARGUMENT, ErrorCode.NONE)
+    observation = self._observation(task, new_inner, event, error)
+    milestones = jnp.stack([new_inner["has_key"], new_inner["door_open"], here == GOAL])
+    return Transition(inner=new_inner, observation=observation, terminated=fell | arrived,
+                      milestones=milestones, rejected=rejected)
+
+  def error_observation(self, task, inner, error):
+    return self._observation(task, inner, EV_ERROR, error)
+
+  def canonical_state(self, task, inner):
+    return (task["grid"], inner["pos"], inner["has_key"], inner["door_open"])
+
+  def verify(self, task, inner):
+    return task["grid"][tuple(inner["pos"])] == GOAL
+
+  def oracle(self, state):
+    field = _distance_to_go(state.task["grid"], state.inner["has_key"])
+    padded = jnp.pad(field, 1, constant_values=_NO_LIMIT)
+    r, c = state.inner["pos"][0] + 1, state.inner["pos"][1] + 1
+    ahead = jnp.stack([padded[r + dr, c + dc] for dr, dc in MOVES])
+    direction = jnp.argmin(ahead).astype(jnp.int32)  # first of the best moves
+    return Action(tool=jnp.zeros((), jnp.int32), args=direction[None],
+                  error=jnp.zeros((), jnp.int32))
+
+  # ------------------------------------------------------------------------------- text
+  def system_text(self, style):
+    if style == "compact":
+      rules = ("you are A on a grid ; move up down left or right to reach the goal G ; # is a wall "
+               "; O is a hole that ends the episode ; . is floor")
+      if self.key_door:
+        rules += " ; D is a door , locked until you pick up the key k , then shown as d"
+      return rules + " ; rows are separated by /"
+    rules = ("You are the agent A on a grid. Move one cell at a time (up, down, left or right) to "
+             "reach the goal G. '#' is a wall, 'O' is a hole that ends the episode in failure, "
+             "'.' is floor.")
+    if self.key_door:
+      rules += (" 'D' is a locked door: step on the key 'k' to pick it up, then the door opens "
+                "(shown 'd').")
+    return rules + " One move per turn."
+
+  def task_text(self, task, style):
+    inner = {"pos": np.asarray(task["start"]), "has_key": False}
+    grid = np.asarray(task["grid"])
+    if style == "compact":
+      return f"reach the goal G , grid : {_render(grid, inner['pos'], ' ', f' {ROW_SEPARATOR} ')}"
+    return f"Reach the goal G. The grid:\n{_render(grid, inner['pos'], '', chr(10))}"
+
+  def observation_text(self, observation, style):
+    event = int(observation["event"])
+    has_key = bool(observation["has_key"])
+    grid, pos = np.asarray(observation["grid"]), np.asarray(observation["pos"])
+    if style == "compact":
+      rows = _render(grid, pos, " ", f" {ROW_SEPARATOR} ")
+      return f"{_EVENT_WORDS[event]} , key {'yes' if has_key else 'no'} , grid : {rows}"
+    holding = "You have the key." if has_key else "You do not have the key."
+    return f"{_EVENT_SENTENCES[event]} {holding}\n{_render(grid, pos, '', chr(10))}"
+
+  def vocabulary(self):
+    words = set(self.system_text("compact").split()) | set(self.task_text(
+        {"grid": np.zeros((1, 1), np.int32), "start": np.zeros((2,), np.int32)}, "compact").split())
+    for phrase in _EVENT_WORDS:
+      words |= set(phrase.split())
+    words |= {"key", "yes", "no", ",", ":", "grid", AGENT, ROW_SEPARATOR, *SYMBOLS}
+    return sorted(words)
+
+
+def _render(grid, pos, cell_separator: str, row_separator: str) -> str:
+  """The grid as symbols, the agent `A` drawn over its cell."""
+  rows = []
+  for r, line in enumerate(np.asarray(grid).tolist()):
+    cells = [SYMBOLS[v] for v in line]
+    if r == int(pos[0]):
+      cells[int(pos[1])] = AGENT
+    rows.append(cell_separator.join(cells))
+  return row_separator.join(rows)
+
+
+def _relax(passable, field):
+  """Distance field: `field[c] = min(field[c], 1 + min over the 4 neighbours)` on passable cells,
+  `size**2` rounds (enough for every shortest path). `field` starts at the targets' values
+  (`_NO_LIMIT` elsewhere); unreachable cells keep `_NO_LIMIT`."""
+  def body(_, d):
+    p = jnp.pad(d, 1, constant_values=_NO_LIMIT)
+    near = jnp.minimum(jnp.minimum(p[:-2, 1:-1], p[2:, 1:-1]), jnp.minimum(p[1:-1, :-2], p[1:-1, 2:]))
+    return jnp.where(passable, jnp.minimum(d, near + 1), d)
+  return jax.lax.fori_loop(0, field.size, body, field)
+
+
+def _distance_to_go(grid, has_key):
+  """[S, S] int32 moves from each cell to the goal (`_NO_LIMIT`: no way), for an agent holding the
+  key (`has_key`) or not; without the key, entering the key cell continues with the unlocked
+  distances."""
+  grid = jnp.asarray(grid)
+  open_ = (grid != WALL) & (grid != HOLE)
+  unlocked = _relax(open_, jnp.where(grid == GOAL, 0, _NO_LIMIT).astype(jnp.int32))
+  locked_start = jnp.where(grid == GOAL, 0, jnp.where(grid == KEY, unlocked, _NO_LIMIT))
+  locked = _relax(open_ & (grid != DOOR), locked_start.astype(jnp.int32))
+  return jnp.where(has_key, unlocked, locked)
+
+
+def _shortest_length(grid, start):
+  """[] int32 moves of the shortest solution from `start` without the key (-1: unsolvable)."""
+  d = _distance_to_go(grid, False)[start[0], start[1]]
+  return jnp.where(d >= _NO_LIMIT, -1, d).astype(jnp.int32)
