@@ -43,7 +43,7 @@ import numpy as np
 from longhorizon.envs.base import SPLITS, Environment, Transition
 from longhorizon.envs.types import Action, Arg, ErrorCode, Tool
 
-__all__ = ["Calculator", "OPS", "STORIES", "apply_numpy"]
+__all__ = ["Calculator", "OPS", "STORIES"]
 
 _CALC, _ANSWER = 0, 1
 OPS = ("add", "sub", "mul", "div")
@@ -107,16 +107,15 @@ class Calculator(Environment):
     start = jax.random.randint(k_start, (), 1, self.max_value + 1, jnp.int32)
 
     def body(x, inputs):
-      i, k = inputs
-      k_op, k_b = jax.random.split(k)
+      i, u = inputs
       masks = _operand_masks(x, self.max_value)  # [4, max_value + 1]
-      op = _uniform_index(k_op, masks.any(axis=1))
-      b = _uniform_index(k_b, masks[op])
+      op = _uniform_index(u[0], masks.any(axis=1))
+      b = _uniform_index(u[1], masks[op])
       active = i < steps
       y = jnp.where(active, _apply(x, op, b), x)
       return y, (jnp.where(active, op, 0), jnp.where(active, b, 0), jnp.where(active, y, -1))
 
-    inputs = (jnp.arange(self.max_ops), jax.random.split(k_steps, self.max_ops))
+    inputs = (jnp.arange(self.max_ops), jax.random.uniform(k_steps, (self.max_ops, 2)))
     answer, (ops, operands, after) = jax.lax.scan(body, start, inputs)
     return {"start": start,  # [] int32 x_0
             "ops": ops,  # [K] int32 op_i (0 past num_ops)
@@ -124,7 +123,8 @@ class Calculator(Environment):
             "values": jnp.concatenate([start[None], after]),  # [K + 1] int32 x_i (-1 past num_ops)
             "answer": answer,  # [] int32 x_N
             "num_ops": jnp.asarray(steps, jnp.int32),  # [] int32 N
-            "story": jax.random.randint(k_story, (), 0, len(STORIES), jnp.int32)}  # [] text only
+            # [] int32 index into STORIES (tool_call text only)
+            "story": jax.random.randint(k_story, (), 0, len(STORIES), jnp.int32)}
 
   def task_difficulty(self, task):
     return task["num_ops"]
@@ -273,10 +273,12 @@ def _operand_masks(x, max_value: int):
   return jnp.stack([add, sub, mul, div])
 
 
-def _uniform_index(key, mask):
-  """A uniformly random index where `mask` ([n] bool, not all False) is True."""
+def _uniform_index(u, mask):
+  """The index of the `floor(u * count)`-th True entry of `mask` ([n] bool, not all False), for
+  `u` uniform in [0, 1): a uniformly random True index. (A `randint` with a traced bound instead
+  compiles several times slower.)"""
   count = mask.sum(dtype=jnp.int32)
-  r = jax.random.randint(key, (), 0, jnp.maximum(count, 1))
+  r = jnp.minimum(jnp.floor(u * count).astype(jnp.int32), count - 1)
   return jnp.argmax(jnp.cumsum(mask, dtype=jnp.int32) > r).astype(jnp.int32)
 
 
@@ -298,9 +300,3 @@ def _calc(a, op, b, max_value: int):
   valid = args_ok & ok[i]
   return jnp.where(valid, results[i], -1), valid
 
-
-def apply_numpy(x: int, op: int, b: int) -> int:
-  """Python reference of one step (for tests): `x op b` with exact integer division."""
-  if op == _DIV:
-    return x // b
-  return (x + b, x - b, x * b)[op]

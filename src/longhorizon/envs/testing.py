@@ -50,7 +50,7 @@ def text_episode(env: Environment, codec, key: jax.Array, task: Any = None,
   `timesteps` (host copies) and `final` (the last `TimeStep`)."""
   step = _jitted(env, "step")
   state, timestep = _jitted(env, "reset")(key, task)
-  policy = policy or (lambda s, k: env.oracle(s))
+  policy = policy or (lambda s, k: _jitted(env, "oracle")(s))
   ids = list(codec.render_prompt(state))
   out = {"actions": [], "observations": [], "parsed_ok": [], "timesteps": []}
   for t in range(max_steps):
@@ -78,8 +78,13 @@ def _jitted(env, method):
 
 
 def tasks_from_keys(env: Environment, keys: jax.Array, split: str = "train"):
-  """`[B]` tasks of `split` from `[B]` keys."""
-  return jax.vmap(lambda k: env.generate_task(k, split))(keys)
+  """`[B]` tasks of `split` from `[B]` keys (jitted, cached per env and split)."""
+  return _generator(env, split)(keys)
+
+
+@functools.lru_cache(maxsize=None)
+def _generator(env, split):
+  return jax.jit(jax.vmap(lambda k: env.generate_task(k, split)))
 
 
 def structured_rollout(env: Environment, keys: jax.Array, tasks: Any = None,
@@ -87,11 +92,19 @@ def structured_rollout(env: Environment, keys: jax.Array, tasks: Any = None,
   """A batched episode under jit + vmap without text. Returns the stacked `[T, B]` time steps.
 
   `policy`: "oracle", "random" or a jittable `(state, key) -> Action` (one row)."""
-  if policy == "oracle":
-    policy = lambda s, k: env.oracle(s)
-  elif policy == "random":
-    policy = functools.partial(random_action, env)
+  if isinstance(policy, str):
+    policy = _named_policy(env, policy)
   return _rollout(env, policy, max_steps)(keys, tasks)
+
+
+@functools.lru_cache(maxsize=None)
+def _named_policy(env, name):
+  """One function object per (env, name), so the jitted rollout is cached across calls."""
+  if name == "oracle":
+    return lambda s, k: env.oracle(s)
+  if name == "random":
+    return functools.partial(random_action, env)
+  raise ValueError(f"policy must be 'oracle', 'random' or a function, got {name!r}.")
 
 
 @functools.lru_cache(maxsize=None)

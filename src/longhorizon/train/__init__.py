@@ -1,0 +1,1 @@
+"""Training infrastructure: checkpoints, metrics, progress and timing."""

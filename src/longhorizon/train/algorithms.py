@@ -1,0 +1,170 @@
+"""The algorithm registry: how each learner turns an `EpisodeBatch` into token advantages.
+
+Every algorithm is a small function `(batch, values, options) -> Advantages` plus its defaults;
+choose by name (`ALGORITHMS[name]`), add one by registering a function. All of them:
+
+* exclude episodes with an environment error (`batch.trainable`) from statistics and from the loss;
+* apply the group filters first: `filter_zero_std` drops task groups whose scores are all equal
+  (DAPO dynamic sampling: they carry no signal for group-relative estimators), and
+  `keep_top_groups < 1` keeps only that fraction of groups with the largest score std (RAGEN);
+  dropped rows get loss weight 0 (shapes never change, so nothing recompiles);
+* return per-token advantages `[B, L]` (0 off the loss mask) and the row weights `[B]`.
+
+| name | advantage | critic |
+|---|---|---|
+| `grpo` | `(s - mean_g) / (std_g + eps)` on every token | no |
+| `drgrpo` | `s - mean_g` (Dr.GRPO; pair with `seq-mean-token-sum-norm`) | no |
+| `rloo` | leave-one-out baseline | no |
+| `reinforce_pp` | REINFORCE++-baseline (group mean, token returns, batch whitening) | no |
+| `gigpo` | episode + anchor-state step-group advantages | no |
+| `ppo` | token GAE (`gae`) or VAPO's length-adaptive GAE on a critic | yes |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from longhorizon.core import advantages as adv
+from longhorizon.core.episode import EpisodeBatch
+
+__all__ = ["ALGORITHMS", "Algorithm", "Advantages", "AlgorithmOptions", "group_filter", "register"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmOptions:
+  """Options of the advantage estimators (a frozen, hashable copy of `config.algorithm`)."""
+  gamma: float = 1.0  # token/step discount (GAE, REINFORCE++); GiGPO uses step_gamma
+  lam: float = 0.95  # GAE lambda (ppo with gae)
+  advantage: str = "gae"  # ppo: "gae" or "length_adaptive_gae"
+  vapo_alpha: float = 0.05  # length-adaptive GAE: lambda = 1 - 1 / (alpha * L)
+  step_gamma: float = 0.95  # GiGPO step-return discount
+  step_weight: float = 1.0  # GiGPO weight of the step-level advantage
+  normalize_std: bool = True  # grpo/gigpo: divide by the group std
+  filter_zero_std: bool = False  # DAPO dynamic sampling: drop groups with equal scores
+  keep_top_groups: float = 1.0  # RAGEN: keep this fraction of groups with the largest score std
+
+
+class Advantages(NamedTuple):
+  advantages: jax.Array  # [B, L] float32 per-token advantages (0 off the loss mask)
+  returns: jax.Array | None  # [B, L] value targets (ppo) or None
+  row_weight: jax.Array  # [B] float32 1 for rows in the loss, 0 for filtered / env-error rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+  name: str
+  fn: Callable[[EpisodeBatch, jax.Array | None, AlgorithmOptions, jax.Array], Advantages]
+  needs_critic: bool = False
+  default_agg: str = "token-mean"
+
+
+ALGORITHMS: dict[str, Algorithm] = {}
+
+
+def register(algorithm: Algorithm) -> Algorithm:
+  if algorithm.name in ALGORITHMS:
+    raise ValueError(f"algorithm {algorithm.name!r} is already registered.")
+  ALGORITHMS[algorithm.name] = algorithm
+  return algorithm
+
+
+def group_filter(scores, groups, valid, options: AlgorithmOptions) -> jax.Array:
+  """`[B]` float32 row weights after the DAPO / RAGEN group filters (see the module docstring)."""
+  scores, groups = jnp.asarray(scores, jnp.float32), jnp.asarray(groups, jnp.int32)
+  valid = jnp.asarray(valid, bool)
+  b = scores.shape[0]
+  ids = adv.step_group_ids(groups, jnp.zeros((b, 1), jnp.uint32))[:, 0]
+  w = valid.astype(jnp.float32)
+  count = jax.ops.segment_sum(w, ids, num_segments=b)
+  mean = jax.ops.segment_sum(w * scores, ids, num_segments=b) / jnp.maximum(count, 1)
+  var = jax.ops.segment_sum(w * (scores - mean[ids]) ** 2, ids, num_segments=b) / jnp.maximum(count, 1)
+  std = jnp.sqrt(var)
+  keep = valid
+  if options.filter_zero_std:
+    keep = keep & (std[ids] > 1e-6)
+  if options.keep_top_groups < 1.0:
+    present = count > 0
+    n_groups = present.sum()
+    n_keep = jnp.maximum(jnp.ceil(options.keep_top_groups * n_groups), 1).astype(jnp.int32)
+    # Rank groups by std (ties by id); keep the n_keep largest.
+    order = jnp.argsort(jnp.where(present, -std, jnp.inf), stable=True)
+    rank = jnp.zeros((b,), jnp.int32).at[order].set(jnp.arange(b, dtype=jnp.int32))
+    keep = keep & (rank[ids] < n_keep)
+  return keep.astype(jnp.float32)
+
+
+def _outcome(per_row, batch, weight):
+  mask = jnp.asarray(batch.loss_mask, jnp.float32) * weight[:, None]
+  return Advantages(per_row[:, None] * mask, None, weight)
+
+
+def _grpo(batch, values, options, weight, normalize_std=None):
+  del values
+  ns = options.normalize_std if normalize_std is None else normalize_std
+  a = adv.grpo(batch.score, batch.group, normalize_std=ns, valid=weight > 0)
+  return _outcome(a, batch, weight)
+
+
+def _drgrpo(batch, values, options, weight):
+  return _grpo(batch, values, options, weight, normalize_std=False)
+
+
+def _rloo(batch, values, options, weight):
+  del values
+  return _outcome(adv.rloo(batch.score, batch.group, valid=weight > 0), batch, weight)
+
+
+def _reinforce_pp(batch, values, options, weight):
+  del values
+  mask = jnp.asarray(batch.loss_mask, bool) & (weight[:, None] > 0)
+  a, _ = adv.reinforce_pp_baseline(batch.token_rewards(), mask, batch.group, gamma=options.gamma,
+                                valid=weight > 0)
+  return Advantages(a * mask, None, weight)
+
+
+def _gigpo(batch, values, options, weight):
+  del values
+  step_adv = adv.gigpo(batch.score, batch.rewards, batch.step_mask, batch.group, batch.anchor,
+                       gamma=options.step_gamma, step_weight=options.step_weight,
+                       normalize_std=options.normalize_std, valid=weight > 0)
+  tokens = adv.broadcast_steps(step_adv, batch.turn)
+  mask = jnp.asarray(batch.loss_mask, jnp.float32) * weight[:, None]
+  return Advantages(tokens * mask, None, weight)
+
+
+def _ppo(batch, values, options, weight):
+  if values is None:
+    raise ValueError("ppo needs critic values; set config.algorithm.name='ppo' with a critic.")
+  mask = jnp.asarray(batch.loss_mask, bool) & (weight[:, None] > 0)
+  rewards = batch.token_rewards()
+  if options.advantage == "gae":
+    a, returns = adv.gae(rewards, values, mask, gamma=options.gamma, lam=options.lam)
+  elif options.advantage == "length_adaptive_gae":
+    a, returns = adv.length_adaptive_gae(rewards, values, mask, gamma=options.gamma,
+                                         alpha=options.vapo_alpha)
+  else:
+    raise ValueError(f"algorithm.advantage must be 'gae' or 'length_adaptive_gae', got "
+                     f"{options.advantage!r}.")
+  a = adv.masked_whiten(a, mask)
+  return Advantages(a * mask, returns, weight)
+
+
+register(Algorithm("grpo", _grpo))
+register(Algorithm("drgrpo", _drgrpo, default_agg="seq-mean-token-sum-norm"))
+register(Algorithm("rloo", _rloo))
+register(Algorithm("reinforce_pp", _reinforce_pp))
+register(Algorithm("gigpo", _gigpo))
+register(Algorithm("ppo", _ppo, needs_critic=True))
+
+
+def compute_advantages(name: str, batch: EpisodeBatch, values, options: AlgorithmOptions) -> Advantages:
+  """Filters, then the named estimator."""
+  if name not in ALGORITHMS:
+    raise ValueError(f"unknown algorithm {name!r}; registered: {sorted(ALGORITHMS)}.")
+  weight = group_filter(batch.score, batch.group, batch.trainable, options)
+  return ALGORITHMS[name].fn(batch, values, options, weight)

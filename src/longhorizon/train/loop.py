@@ -1,0 +1,343 @@
+"""`train_and_evaluate(config, workdir)`: SFT warm start, RL updates, evaluation, checkpoints, logs.
+
+Phases (each resumable from `workdir`):
+
+1. set-up: environment (+ wrappers from the config), codec, task suites (TFDS), policy (a fresh tiny
+   decoder with the codec's tokenizer, or a checkpoint), optimiser, and the checkpoint manager;
+2. warm start (no checkpoint yet): SFT on oracle episodes of train tasks, then the warm-start
+   evaluation (sampled at the rollout temperature, and greedy); checkpoint at update 0;
+3. RL: per update, the next `num_tasks` train tasks (the data position is checkpointed), `G`
+   rollouts each, advantages by the configured algorithm, one jitted update; metrics to
+   `metrics.jsonl` and TensorBoard, a progress bar, checkpoints every `checkpoint_every` updates;
+4. final evaluation on `eval.split`: `eval.json` and `learning_curve.png`.
+
+Determinism: every random stream of update `u` is derived from `(config.seed, u)` and the
+checkpointed state, so a run killed and resumed reproduces the uninterrupted run's metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import time
+from typing import Any
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from longhorizon import envs
+from longhorizon import rollout
+from longhorizon.core.episode import Termination, to_device
+from longhorizon.envs import tasks as task_suites
+from longhorizon.models import ModelConfig, init_params, tiny_config
+from longhorizon.train import algorithms
+from longhorizon.train import config as config_lib
+from longhorizon.train.checkpoints import Checkpointer
+from longhorizon.train.metrics import MetricsWriter, Progress, Timer
+from longhorizon.train.update import (TrainState, critic_values, episode_logprobs, make_optimizer,
+                                      rl_update, sft_update)
+
+__all__ = ["train_and_evaluate", "Setup", "setup", "evaluate_policy"]
+
+
+@dataclasses.dataclass
+class Setup:
+  """Everything a run builds from its config (no mutable training state)."""
+  config: Any
+  env: envs.Environment
+  codec: Any
+  model_config: ModelConfig
+  init_params: Any
+  train_tasks: Any
+  eval_tasks: dict
+  optimizer: Any
+  critic_optimizer: Any
+
+
+def _key(seed: int, *path: int):
+  key = jax.random.key(seed)
+  for p in path:
+    key = jax.random.fold_in(key, p)
+  return key
+
+
+def make_env(config) -> envs.Environment:
+  """The configured environment with its wrappers (TimeLimit innermost)."""
+  env = envs.make(config.env.name, **dict(config.env.params))
+  env = envs.TimeLimit(env, config.env.max_steps)
+  if config.env.faults and sum(config.env.faults.values()) > 0:
+    env = envs.FaultInjection(env, dict(config.env.faults), tuple(config.env.env_error_kinds))
+  if config.env.tool_costs:
+    env = envs.ToolCost(env, dict(config.env.tool_costs))
+  if config.env.loop_k:
+    env = envs.LoopDetector(env, config.env.loop_k)
+  return env
+
+
+def setup(config) -> Setup:
+  config_lib.validate(config)
+  env = make_env(config)
+  if config.model.checkpoint:
+    from longhorizon.models import checkpoint as checkpoint_lib
+    model_config, params, tokenizer = checkpoint_lib.load(config.model.checkpoint)
+    codec = env.codec(tokenizer, config.env.style)
+  else:
+    codec = env.codec(None, config.env.style)
+    m = config.model
+    heads = m.num_attention_heads
+    model_config = dataclasses.replace(
+        tiny_config(), vocab_size=len(codec.tokenizer), hidden_size=m.hidden_size,
+        num_hidden_layers=m.num_hidden_layers, num_attention_heads=heads,
+        num_key_value_heads=m.num_key_value_heads, intermediate_size=m.intermediate_size,
+        head_dim=m.hidden_size // heads, dtype=m.dtype)
+    params = init_params(model_config, _key(config.seed, 1))
+  sizes = {"train": config.tasks.train_size, "test": config.tasks.test_size,
+           "ood": config.tasks.ood_size}
+  data_dir = config.tasks.data_dir or None
+  load = functools.partial(task_suites.load, config.env.name, env_params=dict(config.env.params),
+                           seed=config.tasks.seed, sizes=sizes, data_dir=data_dir)
+  train_tasks = load("train")
+  eval_tasks = {split: load(split) for split in ("test", "ood")}
+  o = config.optim
+  optimizer = make_optimizer(o.learning_rate, warmup_steps=o.warmup_steps,
+                             total_steps=max(config.num_updates * o.epochs * o.minibatches, 1),
+                             schedule=o.schedule, max_grad_norm=o.max_grad_norm,
+                             weight_decay=o.weight_decay)
+  critic_optimizer = None
+  if algorithms.ALGORITHMS[config.algorithm.name].needs_critic:
+    critic_optimizer = make_optimizer(o.critic_learning_rate, max_grad_norm=o.max_grad_norm)
+  return Setup(config, env, codec, model_config, params, train_tasks, eval_tasks, optimizer,
+               critic_optimizer)
+
+
+def initial_state(s: Setup) -> TrainState:
+  critic_params = critic_opt = None
+  if s.critic_optimizer is not None:
+    from longhorizon.models import Critic
+    critic_params = Critic(s.model_config).init(
+        _key(s.config.seed, 2), jnp.zeros((1, 1), jnp.int32))["params"]
+    import flax.linen as nn
+    critic_params = nn.meta.unbox(critic_params)
+    critic_opt = s.critic_optimizer.init(critic_params)
+  return TrainState(params=s.init_params, opt_state=s.optimizer.init(s.init_params),
+                    critic_params=critic_params, critic_opt_state=critic_opt,
+                    step=jnp.zeros((), jnp.int32), policy_version=jnp.zeros((), jnp.int32),
+                    rng=_key(s.config.seed, 3), skipped=jnp.zeros((), jnp.int32))
+
+
+def _tasks_at(source, start: int, count: int):
+  n = len(source)
+  return task_suites.stack(source, [(start + i) % n for i in range(count)])
+
+
+# ------------------------------------------------------------------------------------- evaluation
+
+def evaluate_policy(s: Setup, params, split: str, num_tasks: int, *, temperature: float,
+                    seed: int, group_size: int = 1) -> dict:
+  """Success rate (and episode stats) of `params` on the first `num_tasks` tasks of `split`."""
+  source = s.eval_tasks[split] if split in s.eval_tasks else s.train_tasks
+  n = min(num_tasks, len(source))
+  tasks = task_suites.stack(source, range(n))
+  keys = jax.random.split(_key(seed, 7), n)
+  rc = config_lib.rollout_config(s.config, group_size=group_size, temperature=temperature)
+  batch, _ = rollout.collect(params, s.model_config, s.env, s.codec, tasks, keys, rc,
+                             sampling_seed=seed, reward=config_lib.reward_config(s.config))
+  return {"success_rate": float(np.mean(batch.success)),
+          "mean_steps": float(np.mean(batch.num_steps)),
+          "truncation_rate": float(np.mean(batch.truncated)),
+          "env_error_rate": float(np.mean(np.asarray(batch.env_error).any(-1)))}
+
+
+def _evaluate_both(s: Setup, params, seed: int) -> dict:
+  c = s.config
+  sampled = evaluate_policy(s, params, c.eval.split, c.eval.num_tasks,
+                            temperature=c.rollout.temperature, seed=seed)
+  greedy = evaluate_policy(s, params, c.eval.split, c.eval.num_tasks, temperature=0.0, seed=seed)
+  return {"success_rate": sampled["success_rate"], "greedy_success_rate": greedy["success_rate"],
+          "mean_steps": sampled["mean_steps"], "truncation_rate": sampled["truncation_rate"]}
+
+
+# ------------------------------------------------------------------------------------------- SFT
+
+def warm_start(s: Setup, state: TrainState) -> tuple[TrainState, dict]:
+  """SFT on oracle episodes of train tasks (the same masks as RL)."""
+  c = s.config
+  if not c.sft.steps:
+    return state, {}
+  n = c.sft.episodes
+  tasks = _tasks_at(s.train_tasks, 0, n)
+  keys = jax.random.split(_key(c.seed, 4), n)
+  rc = config_lib.rollout_config(c, group_size=1)
+  batch, _ = rollout.collect(None, None, s.env, s.codec, tasks, keys, rc, sampling_seed=0,
+                             scripted=rollout.oracle_turns(s.env, s.codec))
+  if not batch.success.all():
+    logging.warning("oracle SFT episodes: only %.2f succeed (context budget or step limit too "
+                    "small?)", float(batch.success.mean()))
+  batch = to_device(batch)
+  sft_opt = make_optimizer(c.sft.learning_rate, max_grad_norm=c.optim.max_grad_norm)
+  sft_state = state.replace(opt_state=sft_opt.init(state.params))
+  metrics = {}
+  for _ in range(c.sft.steps):
+    sft_state, metrics = sft_update(sft_state, batch, config=s.model_config, optimizer=sft_opt,
+                                    minibatches=c.sft.minibatches)
+  metrics = {k: float(v) for k, v in metrics.items()}
+  # `sft_update` donated `sft_state` (and the buffers it shared with `state`): continue from it.
+  state = sft_state.replace(opt_state=s.optimizer.init(sft_state.params))
+  return state, metrics
+
+
+# -------------------------------------------------------------------------------------------- RL
+
+@functools.partial(jax.jit, static_argnames=("config", "temperature", "with_entropy"))
+def _logprobs(params, batch, *, config, temperature, with_entropy=False):
+  return episode_logprobs(params, config, batch, temperature=temperature,
+                          return_entropy=with_entropy)
+
+
+_critic_values = jax.jit(critic_values, static_argnames=("config",))
+
+
+def rl_step(s: Setup, state: TrainState, update: int, data_position: int, timer: Timer):
+  """One RL update: rollouts, advantages, jitted update. Returns `(state, metrics)`."""
+  c = s.config
+  n = c.rollout.num_tasks
+  tasks = _tasks_at(s.train_tasks, data_position, n)
+  env_keys = jax.random.split(_key(c.seed, 5, update), n)
+  with timer("rollout"):
+    batch, stats = rollout.collect(
+        state.params, s.model_config, s.env, s.codec, tasks, env_keys,
+        config_lib.rollout_config(c), sampling_seed=c.seed * 1_000_003 + update,
+        reward=config_lib.reward_config(c), policy_version=update, task_seed=c.tasks.seed,
+        group_offset=update * n)
+  with timer("update"):
+    db = to_device(batch)
+    options = config_lib.loss_options(c)
+    old_logp = _logprobs(state.params, db, config=s.model_config, temperature=options.temperature)
+    values = None
+    if s.critic_optimizer is not None:
+      values = _critic_values(state.critic_params, s.model_config, db)
+    adv = algorithms.compute_advantages(c.algorithm.name, db, values, config_lib.algorithm_options(c))
+    state, m = rl_update(state, db, adv.advantages, adv.returns, adv.row_weight, old_logp, None,
+                         values, config=s.model_config, optimizer=s.optimizer,
+                         critic_optimizer=s.critic_optimizer, options=options)
+    m = jax.device_get(m)
+  metrics = {k: float(np.asarray(v)) for k, v in m.items()}
+  metrics.update(episode_metrics(batch, adv.row_weight))
+  metrics.update({k: float(v) for k, v in stats.as_dict().items()})
+  return state, metrics
+
+
+def episode_metrics(batch, row_weight) -> dict:
+  """Success, reward components, lengths, termination kinds and the zero-advantage group rate."""
+  steps = np.asarray(batch.num_steps)
+  out = {"success_rate": float(np.mean(batch.success)), "score": float(np.mean(batch.score)),
+         "episode_steps": float(steps.mean()), "tool_calls": float(steps.mean()),
+         "episode_tokens": float(np.asarray(batch.attention_mask).sum(-1).mean()),
+         "sampled_tokens_per_episode": float(np.asarray(batch.loss_mask).sum(-1).mean()),
+         "env_error_rate": float(np.mean(np.asarray(batch.env_error).any(-1))),
+         "truncation_rate": float(np.mean(batch.truncated)),
+         "violation_rate": float(np.mean(np.asarray(batch.violation).any(-1))),
+         "trained_fraction": float(np.mean(np.asarray(row_weight) > 0))}
+  kinds = np.asarray(batch.termination)
+  for kind in Termination:
+    if kind != Termination.RUNNING:
+      out[f"termination/{kind.name.lower()}"] = float(np.mean(kinds == kind))
+  for name, value in batch.reward_components.items():
+    out[name] = float(np.mean(value))
+  groups, scores = np.asarray(batch.group), np.asarray(batch.score)
+  flat = [np.ptp(scores[groups == g]) == 0 for g in np.unique(groups)]
+  out["zero_advantage_group_rate"] = float(np.mean(flat))
+  return out
+
+
+# ------------------------------------------------------------------------------------------ main
+
+def train_and_evaluate(config, workdir: str) -> dict:
+  """Runs (or resumes) the configured experiment in `workdir`; returns the final `eval.json` dict."""
+  os.makedirs(workdir, exist_ok=True)
+  s = setup(config)
+  primary = jax.process_index() == 0
+  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
+                              max_to_keep=config.keep_checkpoints)
+  state = initial_state(s)
+  latest = checkpointer.latest_step()
+  if latest is None:
+    logging.info("Warm start: SFT for %d steps on %d oracle episodes.", config.sft.steps,
+                 config.sft.episodes)
+    state, sft_metrics = warm_start(s, state)
+    warm = _evaluate_both(s, state.params, config.seed + 17)
+    meta = {"update": 0, "data_position": 0, "warm_start": warm, "sft": sft_metrics}
+    checkpointer.save(0, state, meta, force=True)
+    checkpointer.wait()
+    logging.info("Warm start: sampled success %.3f, greedy %.3f.", warm["success_rate"],
+                 warm["greedy_success_rate"])
+  else:
+    state, meta = checkpointer.restore(latest, template=state)
+    logging.info("Resuming from update %d (checkpoint in %s).", meta["update"], workdir)
+  start, data_position = int(meta["update"]), int(meta["data_position"])
+  writer = MetricsWriter(workdir, tensorboard=config.tensorboard, is_primary=primary,
+                         resume_from=start)
+  progress = Progress(config.num_updates, initial=start, enabled=config.progress and primary)
+  timer = Timer()
+  for update in range(start, config.num_updates):
+    timer.reset()
+    started = time.perf_counter()
+    state, metrics = rl_step(s, state, update, data_position, timer)
+    data_position += config.rollout.num_tasks
+    metrics.update(timer.split())
+    metrics["update_s"] = time.perf_counter() - started
+    if config.eval.every and (update + 1) % config.eval.every == 0:
+      for k, v in _evaluate_both(s, state.params, config.seed + 17).items():
+        metrics[f"eval/{k}"] = v
+    writer.write(update + 1, metrics)
+    progress.update(1, success=metrics["success_rate"], loss=metrics["loss"])
+    meta = dict(meta, update=update + 1, data_position=data_position)
+    if (update + 1) % config.checkpoint_every == 0 or update + 1 == config.num_updates:
+      checkpointer.save(update + 1, state, meta)
+      checkpointer.wait()  # the next update donates the state's buffers; finish reading them first
+  progress.close()
+  checkpointer.wait()
+  writer.close()
+
+  final = _evaluate_both(s, state.params, config.seed + 17)
+  warm = meta["warm_start"]
+  result = {"success_rate": final["success_rate"], "greedy_success_rate": final["greedy_success_rate"],
+            "warm_start_success_rate": warm["success_rate"],
+            "warm_start_greedy_success_rate": warm["greedy_success_rate"],
+            "split": config.eval.split, "num_tasks": config.eval.num_tasks,
+            "temperature": config.rollout.temperature, "num_updates": config.num_updates,
+            "env": config.env.name, "algorithm": config.algorithm.name}
+  if primary:
+    with open(os.path.join(workdir, "eval.json"), "w") as f:
+      json.dump(result, f, indent=2, sort_keys=True)
+    plot_learning_curve(workdir, result)
+  checkpointer.close()
+  return result
+
+
+def plot_learning_curve(workdir: str, result: dict) -> str:
+  """`learning_curve.png`: training success per update, warm-start and final evaluations."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  from longhorizon.train.metrics import read_metrics
+  rows = read_metrics(os.path.join(workdir, "metrics.jsonl"))
+  fig, ax = plt.subplots(figsize=(6, 4))
+  if rows:
+    ax.plot([r["update"] for r in rows], [r["success_rate"] for r in rows], label="train rollouts")
+  ax.axhline(result["warm_start_success_rate"], color="gray", ls="--", label="warm start (eval)")
+  ax.axhline(result["success_rate"], color="green", ls=":", label="final (eval)")
+  ax.set_xlabel("RL update")
+  ax.set_ylabel("success rate")
+  ax.set_ylim(-0.02, 1.02)
+  ax.set_title(f"{result['env']} / {result['algorithm']}")
+  ax.legend(loc="lower right")
+  path = os.path.join(workdir, "learning_curve.png")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return path
