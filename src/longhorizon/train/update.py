@@ -120,6 +120,9 @@ def critic_values(critic_params, config: ModelConfig, batch):
   return jnp.pad(values[:, :-1], ((0, 0), (1, 0)))
 
 
+_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
+
+
 def _finite(tree) -> jax.Array:
   leaves = jax.tree.leaves(tree)
   return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
@@ -198,7 +201,7 @@ def rl_update(state: TrainState, batch: EpisodeBatch, advantages, returns, row_w
     state = carry
     mb = _slice_rows(data, rows)
     (loss, metrics), grads = jax.value_and_grad(policy_loss_fn, has_aux=True)(state.params, mb)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = _norm(grads)
     ok = jnp.isfinite(loss) & _finite(grads)
     params, opt_state = _apply(optimizer, state.params, state.opt_state, grads, ok)
     metrics = dict(metrics, loss=loss, grad_norm=grad_norm)
@@ -208,7 +211,7 @@ def rl_update(state: TrainState, batch: EpisodeBatch, advantages, returns, row_w
       cok = jnp.isfinite(closs) & _finite(cgrads)
       critic_params, critic_opt = _apply(critic_optimizer, critic_params, critic_opt, cgrads, cok)
       ok = ok & cok
-      metrics.update(cmetrics, critic_grad_norm=optax.global_norm(cgrads))
+      metrics.update(cmetrics, critic_grad_norm=_norm(cgrads))
     state = state.replace(params=params, opt_state=opt_state, critic_params=critic_params,
                           critic_opt_state=critic_opt, step=state.step + 1,
                           skipped=state.skipped + (~ok).astype(jnp.int32))
@@ -245,7 +248,7 @@ def sft_update(state: TrainState, batch: EpisodeBatch, *, config: ModelConfig, o
     params, opt_state = _apply(optimizer, state.params, state.opt_state, grads, ok)
     state = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
                           skipped=state.skipped + (~ok).astype(jnp.int32))
-    return state, dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+    return state, dict(metrics, loss=loss, grad_norm=_norm(grads))
 
   rng, key = jax.random.split(state.rng)
   order = jax.random.permutation(key, b).reshape(minibatches, b // minibatches)

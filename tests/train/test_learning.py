@@ -1,0 +1,183 @@
+"""Learners: config validation, masks and gradients, no retracing, every algorithm learns, resume."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from longhorizon import rollout
+from longhorizon.core.episode import to_device
+from longhorizon.train import algorithms, loop
+from longhorizon.train import config as config_lib
+from longhorizon.train.metrics import Timer, read_metrics
+from longhorizon.train.update import rl_update
+
+import importlib.util
+
+_spec = importlib.util.spec_from_file_location(
+    "default_config", os.path.join(os.path.dirname(__file__), "..", "..", "configs", "default.py"))
+default_config = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(default_config)
+
+
+def _config(tmp_path, **changes):
+  config = default_config.get_config("smoke")
+  config.unlock()
+  config.tasks.data_dir = str(tmp_path / "tasks")
+  for path, value in changes.items():
+    node = config
+    *parents, leaf = path.split(".")
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  config.lock()
+  return config
+
+
+# ------------------------------------------------------------------------------ config errors
+
+@pytest.mark.parametrize("path,value,message", [
+    ("algorithm.name", "ppo2", "config.algorithm.name='ppo2' is not allowed; expected one of"),
+    ("env.name", "chess", "config.env.name='chess'"),
+    ("env.style", "json", "one of ['compact', 'tool_call']"),
+    ("optim.minibatches", 3, "a divisor of rollout.num_tasks * rollout.group_size = 16"),
+    ("rollout.temperature", 0.0, "config.rollout.temperature=0.0"),
+    ("algorithm.agg", "mean", "config.algorithm.agg='mean'"),
+    ("rollout.group_size", 0, "an integer >= 1"),
+    ("reward.violation", 1.0, "a violation is a failure"),
+    ("env.faults", {"meteor": 0.1}, "fault kinds from"),
+])
+def test_config_validation_names_the_field(tmp_path, path, value, message):
+  config = default_config.get_config("smoke")
+  config.unlock()
+  node = config
+  *parents, leaf = path.split(".")
+  for p in parents:
+    node = node[p]
+  node[leaf] = value
+  with pytest.raises(ValueError, match=None) as info:
+    config_lib.validate(config)
+  assert message in str(info.value)
+
+
+def test_default_configs_validate():
+  config_lib.validate(default_config.get_config())
+  config_lib.validate(default_config.get_config("smoke"))
+  with pytest.raises(ValueError, match="unknown config variant"):
+    default_config.get_config("huge")
+
+
+# ----------------------------------------------------------------------- one setup for the rest
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory):
+  """A smoke setup with a short SFT warm start on pointer_chain with 1 hop."""
+  tmp = tmp_path_factory.mktemp("learning")
+  config = _config(tmp, **{"env.params": {"horizon": 1}, "env.max_steps": 3, "sft.steps": 6,
+                           "sft.episodes": 32, "sft.learning_rate": 3e-3,
+                           "rollout.num_tasks": 8, "rollout.group_size": 8,
+                           "rollout.context_length": 96, "optim.learning_rate": 2e-3,
+                           "optim.minibatches": 2})
+  s = loop.setup(config)
+  state, _ = loop.warm_start(s, loop.initial_state(s))
+  return s, jax.device_get(state)
+
+
+def _sampled_success(s, params, seed=11):
+  return loop.evaluate_policy(s, params, "test", 16, temperature=1.0, seed=seed)["success_rate"]
+
+
+def _batch(s, state, update=0):
+  c = s.config
+  tasks = loop._tasks_at(s.train_tasks, update * c.rollout.num_tasks, c.rollout.num_tasks)
+  keys = jax.random.split(jax.random.key(update), c.rollout.num_tasks)
+  batch, _ = rollout.collect(state.params, s.model_config, s.env, s.codec, tasks, keys,
+                             config_lib.rollout_config(c), sampling_seed=update)
+  return to_device(batch)
+
+
+def test_observation_and_prompt_tokens_get_no_gradient_nor_kl(warm):
+  """Changing advantages, reference log-probs or old log-probs off the loss mask changes nothing."""
+  s, state = warm
+  db = _batch(s, state)
+  options = config_lib.loss_options(s.config)
+  old = loop._logprobs(state.params, db, config=s.model_config, temperature=1.0)
+  adv = algorithms.compute_advantages("grpo", db, None, config_lib.algorithm_options(s.config))
+  off = ~np.asarray(db.loss_mask)
+  noise = jnp.asarray(np.random.default_rng(0).normal(size=off.shape) * off, jnp.float32)
+  options = options.__class__(**{**options.__dict__, "kl_coef": 0.5})
+
+  def run(advantages, ref, old_logp):
+    st = jax.tree.map(jnp.array, state)  # a fresh copy: the update donates its state
+    new, metrics = rl_update(st, db, advantages, None, adv.row_weight, old_logp, ref, None,
+                             config=s.model_config, optimizer=s.optimizer, critic_optimizer=None,
+                             options=options)
+    return jax.device_get(new.params), jax.device_get(metrics)
+
+  base_params, base_metrics = run(adv.advantages, old, old)
+  params, metrics = run(adv.advantages + 5 * noise, old + noise, old + noise)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params,
+               base_params)
+  np.testing.assert_allclose(metrics["loss"], base_metrics["loss"], rtol=1e-5, atol=1e-7)
+
+
+def test_update_is_traced_once(warm, assert_no_retrace):
+  s, state = warm
+  a, b = _batch(s, state, 0), _batch(s, state, 1)
+  options = config_lib.loss_options(s.config)
+  calls = []
+  for db in (a, b):
+    adv = algorithms.compute_advantages("grpo", db, None, config_lib.algorithm_options(s.config))
+    old = loop._logprobs(state.params, db, config=s.model_config, temperature=1.0)
+    calls.append(((jax.tree.map(jnp.array, state), db, adv.advantages, None, adv.row_weight, old,
+                   None, None), dict(config=s.model_config, optimizer=s.optimizer,
+                                     critic_optimizer=None, options=options)))
+  assert_no_retrace(rl_update, *calls)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(algorithms.ALGORITHMS))
+def test_every_algorithm_improves_success(warm, name):
+  s, state = warm
+  config = s.config
+  config.unlock()
+  config.algorithm.name = name
+  config.lock()
+  s.critic_optimizer = None
+  if algorithms.ALGORITHMS[name].needs_critic:
+    from longhorizon.train.update import make_optimizer
+    s.critic_optimizer = make_optimizer(3e-3)
+  start = loop.initial_state(s)
+  state = start.replace(params=jax.tree.map(jnp.array, state.params))
+  before = _sampled_success(s, state.params)
+  for update in range(12):
+    state, metrics = loop.rl_step(s, state, update, update * config.rollout.num_tasks, Timer())
+    assert np.isfinite(metrics["loss"])
+  after = _sampled_success(s, state.params)
+  assert after >= before + 0.15, (name, before, after)
+
+
+# ------------------------------------------------------------------------------------- resume
+
+@pytest.mark.slow
+def test_resume_equals_uninterrupted(tmp_path):
+  config = _config(tmp_path, num_updates=3, checkpoint_every=1)
+  loop.train_and_evaluate(config, str(tmp_path / "straight"))
+  straight = read_metrics(str(tmp_path / "straight"))
+  # "Killed" after 2 updates (the run ends there), then resumed with the full command.
+  short = _config(tmp_path, num_updates=2, checkpoint_every=1)
+  loop.train_and_evaluate(short, str(tmp_path / "resumed"))
+  result = loop.train_and_evaluate(config, str(tmp_path / "resumed"))
+  resumed = read_metrics(str(tmp_path / "resumed"))
+  assert [r["update"] for r in resumed] == [1, 2, 3]
+  skip = lambda k: k.startswith("time") or k.endswith("_s") or "per_s" in k or k.endswith("frac")
+  for a, b in zip(straight, resumed):
+    for k in a:
+      if not skip(k):
+        assert a[k] == b[k] or (a[k] is None and b[k] is None), (k, a[k], b[k])
+  with open(tmp_path / "resumed" / "eval.json") as f:
+    assert json.load(f) == result
+  assert os.path.exists(tmp_path / "resumed" / "learning_curve.png")
