@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The main job. Until the training loop lands (issue 5) it is the kernel benchmark: it prints one table
-# and writes it to results/kernels.json. Extra args go to the benchmark (absl flags).
+# The main job: SFT warm start then RL of a tiny policy on pointer_chain (configs/default.py), with a
+# progress bar; leaves metrics.jsonl, checkpoints, eval.json and learning_curve.png in the workdir.
+# Rerunning resumes from the last checkpoint. Extra args go to experiments/train.py (absl flags), e.g.
+#   bash scripts/main.sh --workdir=/tmp/run2 --config.num_updates=20
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash scripts/setup_env.sh
-exec .venv/bin/python experiments/benchmarks/core_kernels.py --out=results/kernels.json "$@"
+WORKDIR="${WORKDIR:-results/default}"
+exec .venv/bin/python experiments/train.py --config=configs/default.py --workdir="$WORKDIR" "$@"

@@ -1,5 +1,5 @@
-"""gridworld: a hand-checked layout, generated tasks against a plain BFS, the oracle through the text
-path and under jit + vmap, determinism, anchors, and agreement with the plain-Python version."""
+"""gridworld: a hand-checked layout, generated tasks against a plain BFS, the oracle through the
+text path and under jit + vmap, determinism, anchors, agreement with the plain-Python version."""
 
 import collections
 import functools
@@ -36,7 +36,8 @@ def env():
 @pytest.fixture(scope="module")
 def policies(env):
   """Policy objects made once: `structured_rollout` caches its compiled scan per policy object."""
-  return {"oracle": lambda s, k: env.oracle(s), "random": functools.partial(testing.random_action, env)}
+  return {"oracle": lambda s, k: env.oracle(s),
+          "random": functools.partial(testing.random_action, env)}
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +127,7 @@ def test_hand_layout_exact_transitions(hand):
   np.testing.assert_array_equal(state.milestones, [True, True, True])
   assert int(env.task_difficulty(HAND)) == 10
   # Anchors (after step t: anchors[t + 1]) ignore the step count but see the key and the door.
-  assert anchors[0] == anchors[1] == anchors[2]  # rejected moves leave the state as it was
+  assert anchors[0] == anchors[1] == anchors[2] == anchors[5]  # rejected moves change nothing
   assert anchors[8] == anchors[10]  # (0, 1) holding the key, twice
   assert anchors[5] != anchors[11]  # (0, 2) without, then with the key
   assert anchors[12] != anchors[14]  # (0, 3) with the key, before and after the door
@@ -160,10 +161,12 @@ def test_hand_layout_text(hand):
       "start , key no , grid : k . A . / # O # D / G . . . / . . . .")
   assert env.observation_text(obs, "tool_call") == (
       "You are at the start. You do not have the key.\nk.A.\n#O#D\nG...\n....")
-  assert env.task_text(HAND, "compact") == "reach the goal G , grid : k . A . / # O # D / G . . . / . . . ."
-  later = dict(obs, grid=np.where(HAND["grid"] == DOOR, OPEN_DOOR, np.where(HAND["grid"] == KEY, FLOOR,
-                                                                            HAND["grid"])),
-               pos=np.array([1, 3]), has_key=np.bool_(True), event=np.int32(EV_DOOR))
+  assert env.task_text(HAND, "compact") == (
+      "reach the goal G , grid : k . A . / # O # D / G . . . / . . . .")
+  grid = HAND["grid"]
+  opened = np.where(grid == DOOR, OPEN_DOOR, np.where(grid == KEY, FLOOR, grid))
+  later = dict(obs, grid=opened, pos=np.array([1, 3]), has_key=np.bool_(True),
+               event=np.int32(EV_DOOR))
   assert env.observation_text(later, "compact") == (
       "went through the door , key yes , grid : . . . . / # O # A / G . . . / . . . .")
 
@@ -177,13 +180,14 @@ def test_hand_layout_oracle_takes_the_shortest_route_and_finished_rows_stay(hand
     action = oracle(state)
     moves.append(DIRECTIONS[int(action.args[0])])
     state, ts = step(state, action)
-  assert moves == ["left", "left", "right", "right", "right", "down", "down", "left", "left", "left"]
+  assert moves == ["left"] * 2 + ["right"] * 3 + ["down"] * 2 + ["left"] * 3
   assert bool(ts.success)
   # Stepping the finished row is a no-op: same state, last time step without reward.
   for action in (_move(UP), Action.invalid(ErrorCode.GARBAGE, 1)):
     again, ts2 = step(state, action)
     jax.tree.map(np.testing.assert_array_equal, _plain(again), _plain(state))
-    jax.tree.map(np.testing.assert_array_equal, ts2.replace(reward=ts.reward, milestones=ts.milestones), ts)
+    jax.tree.map(np.testing.assert_array_equal,
+                 ts2.replace(reward=ts.reward, milestones=ts.milestones), ts)
     assert float(ts2.reward) == 0.0 and not np.asarray(ts2.milestones).any()
 
 
@@ -193,7 +197,7 @@ def _plain(state):
 
 # ----------------------------------------------------------------------------- generated tasks
 def _bfs_length(grid, start) -> int:
-  """Plain BFS over (row, column, has_key): the fewest moves from `start` to the goal, -1 if none."""
+  """Plain BFS over (row, column, has_key): fewest moves from `start` to the goal, -1 if none."""
   grid = np.asarray(grid).tolist()
   size = len(grid)
   first = (int(start[0]), int(start[1]), False)
@@ -391,7 +395,8 @@ def test_finished_rows_stay_finished(mixed):
     assert (timesteps.step[after, b] == first[b] + 1).all()
     assert (timesteps.anchor[after, b] == timesteps.anchor[first[b], b]).all()
     assert (timesteps.success[after, b] == timesteps.success[first[b], b]).all()
-    assert (timesteps.observation["pos"][after, b] == timesteps.observation["pos"][first[b], b]).all()
+    pos = timesteps.observation["pos"][:, b]
+    assert (pos[after] == pos[first[b]]).all()
 
 
 def test_batched_step_compiles_once(env, tasks, assert_no_retrace):

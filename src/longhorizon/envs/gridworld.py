@@ -47,8 +47,9 @@ Observation: `grid` ([size, size] int32 cell codes as currently seen: the key re
 shown open once the key is held), `pos`, `has_key`, `event` (what the last action did, `EV_*`) and
 `error`. `task_difficulty(task)` is the shortest solution length (-1 if unsolvable).
 
-Text: compact style writes one word per cell and `/` between rows (`moved , key no , grid : # . A
-. G / ...`); tool_call style writes a sentence and one line of symbols per row.
+Text: compact style writes the event, the key status and one word per cell with `/` between rows,
+`moved , key no , grid : # . A . G / . . . . . / ...`; tool_call style writes sentences and one
+line of symbols per row.
 """
 
 from __future__ import annotations
