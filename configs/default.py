@@ -96,19 +96,20 @@ def get_config(arg=None):
 
   # Optimiser of the RL phase.
   config.optim = ml_collections.ConfigDict()
-  config.optim.learning_rate = 1e-3
+  config.optim.learning_rate = 3e-4
   config.optim.critic_learning_rate = 1e-3
   config.optim.schedule = "constant"  # constant | cosine | linear
   config.optim.warmup_steps = 0
   config.optim.max_grad_norm = 1.0
   config.optim.weight_decay = 0.0
-  config.optim.epochs = 1
+  config.optim.epochs = 2
   config.optim.minibatches = 2
 
   # SFT warm start on oracle episodes (steps = 0: no warm start).
   config.sft = ml_collections.ConfigDict()
-  config.sft.steps = 50
+  config.sft.steps = 80
   config.sft.episodes = 64
+  config.sft.demo_epsilon = 0.2  # noisy demonstrator: a random action instead of the oracle's
   config.sft.learning_rate = 3e-3
   config.sft.minibatches = 2
 

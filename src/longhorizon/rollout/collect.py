@@ -314,13 +314,33 @@ def _scripted_turn(turns, active, budgets, width, stop_ids):
   return tokens, np.zeros((b, width), np.float32), lengths, stopped
 
 
-def oracle_turns(env: Environment, codec):
-  """A `scripted` source for `collect`: each row's oracle action as text ids plus end of turn."""
-  oracle = jax.jit(jax.vmap(env.oracle))
+def oracle_turns(env: Environment, codec, epsilon: float = 0.0, seed: int = 0):
+  """A `scripted` source for `collect`: each row's oracle action as text ids plus end of turn.
+
+  With `epsilon > 0` the demonstrator is noisy: at each step, with probability `epsilon`, it takes a
+  uniformly random well-formed action instead (drawn from `fold_in(key(seed), call, row)`), as an
+  imperfect human or model demonstrator would; SFT on such data gives a competent but unreliable
+  policy."""
+  from longhorizon.envs.testing import random_action
+  if not 0.0 <= epsilon <= 1.0:
+    raise ValueError(f"epsilon must be in [0, 1], got {epsilon}.")
+
+  @jax.jit
+  def choose(states, key):
+    b = states.step.shape[0]
+    keys = jax.random.split(key, b)
+    best = jax.vmap(env.oracle)(states)
+    noise = jax.vmap(lambda st, k: random_action(env, st, k))(states, keys)
+    explore = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)) < epsilon)(keys)
+    return jax.tree.map(lambda a, n: jnp.where(
+        explore.reshape(explore.shape + (1,) * (a.ndim - 1)), n, a), best, noise)
+
   stop = list(codec.stop_token_ids[:1])
+  calls = [0]
 
   def turns(states):
-    actions = to_numpy(oracle(states))
+    actions = to_numpy(choose(states, jax.random.fold_in(jax.random.key(seed), calls[0])))
+    calls[0] += 1
     return [codec.tokenizer.encode(codec.format_action(jax.tree.map(lambda a, r=r: a[r], actions)),
                                    add_special_tokens=False) + stop
             for r in range(len(actions.tool))]

@@ -96,6 +96,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   bad_faults = sorted(set(config.env.faults) - set(FAULT_KINDS))
   if bad_faults:
     _fail("env.faults", dict(config.env.faults), f"fault kinds from {sorted(FAULT_KINDS)}")
+  if not 0 <= config.sft.demo_epsilon <= 1:
+    _fail("sft.demo_epsilon", config.sft.demo_epsilon, "a probability in [0, 1]")
   if config.eval.split not in ("test", "ood", "train"):
     _fail("eval.split", config.eval.split, "one of ['test', 'ood', 'train']")
   return config

@@ -173,8 +173,9 @@ def warm_start(s: Setup, state: TrainState) -> tuple[TrainState, dict]:
   keys = jax.random.split(_key(c.seed, 4), n)
   rc = config_lib.rollout_config(c, group_size=1)
   batch, _ = rollout.collect(None, None, s.env, s.codec, tasks, keys, rc, sampling_seed=0,
-                             scripted=rollout.oracle_turns(s.env, s.codec))
-  if not batch.success.all():
+                             scripted=rollout.oracle_turns(s.env, s.codec, c.sft.demo_epsilon,
+                                                           seed=c.seed))
+  if not c.sft.demo_epsilon and not batch.success.all():
     logging.warning("oracle SFT episodes: only %.2f succeed (context budget or step limit too "
                     "small?)", float(batch.success.mean()))
   batch = to_device(batch)
@@ -188,6 +189,13 @@ def warm_start(s: Setup, state: TrainState) -> tuple[TrainState, dict]:
   # `sft_update` donated `sft_state` (and the buffers it shared with `state`): continue from it.
   state = sft_state.replace(opt_state=s.optimizer.init(sft_state.params))
   return state, metrics
+
+
+def with_reference(s: Setup, state: TrainState) -> TrainState:
+  """Freezes a copy of the current (warm-start) policy as the KL reference when the KL is on."""
+  if s.config.algorithm.kl_coef > 0:
+    return state.replace(ref_params=jax.tree.map(jnp.copy, state.params))
+  return state
 
 
 # -------------------------------------------------------------------------------------------- RL
@@ -221,7 +229,11 @@ def rl_step(s: Setup, state: TrainState, update: int, data_position: int, timer:
     if s.critic_optimizer is not None:
       values = _critic_values(state.critic_params, s.model_config, db)
     adv = algorithms.compute_advantages(c.algorithm.name, db, values, config_lib.algorithm_options(c))
-    state, m = rl_update(state, db, adv.advantages, adv.returns, adv.row_weight, old_logp, None,
+    ref_logp = None
+    if state.ref_params is not None:
+      ref_logp = _logprobs(state.ref_params, db, config=s.model_config,
+                           temperature=options.temperature)
+    state, m = rl_update(state, db, adv.advantages, adv.returns, adv.row_weight, old_logp, ref_logp,
                          values, config=s.model_config, optimizer=s.optimizer,
                          critic_optimizer=s.critic_optimizer, options=options)
     m = jax.device_get(m)
@@ -269,14 +281,17 @@ def train_and_evaluate(config, workdir: str) -> dict:
     logging.info("Warm start: SFT for %d steps on %d oracle episodes.", config.sft.steps,
                  config.sft.episodes)
     state, sft_metrics = warm_start(s, state)
+    state = with_reference(s, state)
     warm = _evaluate_both(s, state.params, config.seed + 17)
-    meta = {"update": 0, "data_position": 0, "warm_start": warm, "sft": sft_metrics}
+    # RL tasks start after the SFT tasks, so the first updates do not replay the demonstrations.
+    meta = {"update": 0, "data_position": config.sft.episodes if config.sft.steps else 0,
+            "warm_start": warm, "sft": sft_metrics}
     checkpointer.save(0, state, meta, force=True)
     checkpointer.wait()
     logging.info("Warm start: sampled success %.3f, greedy %.3f.", warm["success_rate"],
                  warm["greedy_success_rate"])
   else:
-    state, meta = checkpointer.restore(latest, template=state)
+    state, meta = checkpointer.restore(latest, template=with_reference(s, state))
     logging.info("Resuming from update %d (checkpoint in %s).", meta["update"], workdir)
   start, data_position = int(meta["update"]), int(meta["data_position"])
   writer = MetricsWriter(workdir, tensorboard=config.tensorboard, is_primary=primary,

