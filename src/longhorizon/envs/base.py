@@ -136,6 +136,11 @@ class Environment(abc.ABC):
     from longhorizon.envs.codec import Codec
     return Codec(self, tokenizer, style)
 
+  def episode_info(self, task: Any, inner: Any) -> dict:
+    """Scalar facts about a finished episode that evaluation reports (e.g. retail's
+    `collateral_damage`, `attacked`, `attack_success`); default none. Jittable."""
+    return {}
+
   def task_difficulty(self, task: Any) -> jax.Array:
     """[] int32 difficulty bucket of a task (for curricula and per-bucket evaluation)."""
     return jnp.zeros((), jnp.int32)

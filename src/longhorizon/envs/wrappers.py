@@ -89,6 +89,9 @@ class Wrapper(Environment):
   def task_difficulty(self, task):
     return self.env.task_difficulty(task)
 
+  def episode_info(self, task, inner):
+    return self.env.episode_info(task, inner)
+
   def split_params(self, split):
     return self.env.split_params(split)
 

@@ -36,7 +36,7 @@ import numpy as np
 from longhorizon import sampling as sampler
 from longhorizon.core.episode import EpisodeBatch, Termination, empty
 from longhorizon.envs import Action, Environment
-from longhorizon.envs.types import to_numpy
+from longhorizon.envs.types import ErrorCode, to_numpy
 from longhorizon.models import ModelConfig, prepare_decode_params
 from longhorizon.rollout.rewards import RewardConfig, compose_rewards
 
@@ -75,6 +75,10 @@ class RolloutStats:
   env_steps: int = 0
   episodes: int = 0
   turns: int = 0  # decode rounds
+  # Per-episode facts for evaluation ([B] arrays): tool_calls, invalid_actions, unauthorized
+  # (forbidden calls), faulted (saw a recoverable injected fault), loop, difficulty, and whatever
+  # the environment's `episode_info` reports (e.g. collateral_damage, attack_success).
+  episode_info: dict = dataclasses.field(default_factory=dict)
 
   def as_dict(self) -> dict:
     total = self.generation_s + self.env_s + self.host_s
@@ -88,7 +92,9 @@ class RolloutStats:
 
 @functools.lru_cache(maxsize=None)
 def _env_fns(env: Environment):
-  return (jax.jit(jax.vmap(env.reset)), jax.jit(jax.vmap(env.step)))
+  info = lambda s: dict(env.episode_info(s.task, s.inner),
+                        difficulty=env.task_difficulty(s.task))
+  return (jax.jit(jax.vmap(env.reset)), jax.jit(jax.vmap(env.step)), jax.jit(jax.vmap(info)))
 
 
 def _bucket(n: int, minimum: int = 8) -> int:
@@ -135,7 +141,7 @@ def collect(params, model_config: ModelConfig, env: Environment, codec, tasks: A
   g, length, max_steps = config.group_size, config.context_length, config.max_steps
   b = n * g
   task_of_row = np.repeat(np.arange(n), g)
-  reset_fn, step_fn = _env_fns(env)
+  reset_fn, step_fn, info_fn = _env_fns(env)
   rows_tasks = jax.tree.map(lambda a: jnp.asarray(a)[task_of_row], tasks)
   rows_keys = jnp.asarray(env_keys)[task_of_row]
   decode_params = None if scripted else prepare_decode_params(params, model_config)
@@ -180,6 +186,9 @@ def collect(params, model_config: ModelConfig, env: Environment, codec, tasks: A
   step_fields = {k: getattr(out, k) for k in ("rewards", "step_mask", "anchor", "milestones",
                                                "cost", "violation", "env_error")}
   invalid = np.zeros((b, max_steps), bool)
+  unauthorized = np.zeros((b,), np.int32)
+  faulted = np.zeros((b,), bool)
+  looped = np.zeros((b,), bool)
   success = np.zeros((b,), bool)
   terminated = np.zeros((b,), bool)
   truncated = np.zeros((b,), bool)
@@ -243,6 +252,9 @@ def collect(params, model_config: ModelConfig, env: Environment, codec, tasks: A
     step_fields["env_error"][rows, t] = ts.env_error[rows]
     env_rewards[rows, t] = ts.reward[rows]
     invalid[rows, t] = ts.invalid_action[rows]
+    unauthorized[rows] += (ts.observation["error"][rows] == ErrorCode.NOT_ALLOWED)
+    faulted[rows] |= (ts.fault[rows] != 0) & ~ts.env_error[rows]
+    looped[rows] |= ts.loop[rows]
     step_success[rows, t] = ts.success[rows]
     anchors_before = np.asarray(ts.anchor)
     finished = active & ts.done
@@ -296,6 +308,9 @@ def collect(params, model_config: ModelConfig, env: Environment, codec, tasks: A
       verifier_seed=np.zeros((b,), np.uint32),
       reward_components=components)
   stats.episodes = b
+  info = {k: np.asarray(v) for k, v in to_numpy(info_fn(states)).items()}
+  stats.episode_info = dict(info, tool_calls=num_steps, invalid_actions=invalid.sum(-1),
+                            unauthorized=unauthorized, faulted=faulted, loop=looped)
   stats.host_s += time.perf_counter() - start
   return batch, stats
 
