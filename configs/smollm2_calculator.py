@@ -118,6 +118,13 @@ def get_config(arg=None):
   config.eval.num_tasks = 128
   config.eval.split = "test"
   config.eval.every = 0  # evaluate during training every n updates (0: only before and after)
+  config.eval.k = 4  # attempts per task in the warm-start and final evaluations (pass@k, pass^k)
+
+  # Policy-collapse alarms (logged, and as alarm/* metrics).
+  config.alarm = ml_collections.ConfigDict()
+  config.alarm.min_entropy = 0.002  # mean token entropy below this (while not solved)
+  config.alarm.max_zero_advantage_rate = 0.95  # share of groups with identical rewards above this
+  config.alarm.success_ceiling = 0.9  # ... while training success is below this
 
   # Checkpoints and logs.
   config.checkpoint_every = 10
@@ -146,6 +153,7 @@ def get_config(arg=None):
     config.sft.episodes = 2
     config.sft.minibatches = 1
     config.eval.num_tasks = 4
+    config.eval.k = 1
     config.checkpoint_every = 1
     config.tensorboard = False
   elif arg:

@@ -7,6 +7,8 @@ Rerunning with the same --workdir resumes from the last checkpoint. The config i
 anything is built: a wrong value names the field and the allowed values.
 """
 
+import os
+
 from absl import app
 from absl import flags
 from absl import logging
@@ -20,6 +22,23 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metr
 flags.mark_flags_as_required(["config", "workdir"])
 
 
+def crash_hook():
+  """`LONGHORIZON_CRASH_AT=POINT:UPDATE` (POINT in rollout, update, checkpoint) kills the process
+  with SIGKILL-like abruptness at that point of that (0-based) update: for kill-and-resume tests."""
+  spec = os.environ.get("LONGHORIZON_CRASH_AT", "")
+  if not spec:
+    return None
+  point, _, update = spec.partition(":")
+  if point not in ("rollout", "update", "checkpoint") or not update.isdigit():
+    raise app.UsageError(f"LONGHORIZON_CRASH_AT={spec!r}: expected POINT:UPDATE with POINT in "
+                         "rollout, update, checkpoint.")
+
+  def hook(where, at):
+    if where == point and at == int(update):
+      os._exit(137)
+  return hook
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -28,7 +47,7 @@ def main(argv):
   logging.get_absl_handler().addFilter(lambda record: "/orbax/" not in record.pathname)
   logging.info("JAX devices: %s (process %d of %d)", jax.devices(), jax.process_index(),
                jax.process_count())
-  result = loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  result = loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value, hook=crash_hook())
   print("final:", {k: result[k] for k in ("success_rate", "warm_start_success_rate",
                                           "greedy_success_rate")})
 

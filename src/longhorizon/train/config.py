@@ -30,7 +30,7 @@ _CHOICES = {
     "model.dtype": ("float32", "bfloat16"),
 }
 _POSITIVE_INTS = ("env.max_steps", "rollout.num_tasks", "rollout.group_size", "rollout.context_length",
-                  "rollout.turn_tokens", "optim.epochs", "optim.minibatches", "sft.minibatches",
+                  "rollout.turn_tokens", "eval.k", "optim.epochs", "optim.minibatches", "sft.minibatches",
                   "eval.num_tasks", "tasks.train_size", "tasks.test_size", "tasks.ood_size",
                   "checkpoint_every", "keep_checkpoints", "mesh.data", "mesh.fsdp", "mesh.tensor")
 _NON_NEGATIVE = ("num_updates", "sft.steps", "sft.episodes", "eval.every", "algorithm.kl_coef",

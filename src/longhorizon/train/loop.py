@@ -152,13 +152,25 @@ def evaluate_policy(s: Setup, params, split: str, num_tasks: int, *, temperature
           "env_error_rate": float(np.mean(np.asarray(batch.env_error).any(-1)))}
 
 
-def _evaluate_both(s: Setup, params, seed: int) -> dict:
+def _evaluate_both(s: Setup, params, seed: int, full: bool = False) -> dict:
+  """Sampled (training temperature) and greedy success on `eval.split`; with `full`, the whole
+  evaluation report (`eval.k` attempts per task: pass@k, pass^k, milestones, rates, buckets)."""
   c = s.config
-  sampled = evaluate_policy(s, params, c.eval.split, c.eval.num_tasks,
-                            temperature=c.rollout.temperature, seed=seed)
   greedy = evaluate_policy(s, params, c.eval.split, c.eval.num_tasks, temperature=0.0, seed=seed)
-  return {"success_rate": sampled["success_rate"], "greedy_success_rate": greedy["success_rate"],
-          "mean_steps": sampled["mean_steps"], "truncation_rate": sampled["truncation_rate"]}
+  if not full:
+    sampled = evaluate_policy(s, params, c.eval.split, c.eval.num_tasks,
+                              temperature=c.rollout.temperature, seed=seed)
+    return {"success_rate": sampled["success_rate"], "greedy_success_rate": greedy["success_rate"],
+            "mean_steps": sampled["mean_steps"], "truncation_rate": sampled["truncation_rate"]}
+  from longhorizon.eval import runner
+  source = s.eval_tasks[c.eval.split] if c.eval.split in s.eval_tasks else s.train_tasks
+  tasks = task_suites.stack(source, range(min(c.eval.num_tasks, len(source))))
+  report, _ = runner.evaluate(s.env, s.codec, tasks, attempts=c.eval.k,
+                              rollout_config=config_lib.rollout_config(c), policy="model",
+                              params=params, model_config=s.model_config, seed=seed,
+                              reward=config_lib.reward_config(c))
+  report["greedy_success_rate"] = greedy["success_rate"]
+  return report
 
 
 # ------------------------------------------------------------------------------------------- SFT
@@ -209,7 +221,8 @@ def _logprobs(params, batch, *, config, temperature, with_entropy=False):
 _critic_values = jax.jit(critic_values, static_argnames=("config",))
 
 
-def rl_step(s: Setup, state: TrainState, update: int, data_position: int, timer: Timer):
+def rl_step(s: Setup, state: TrainState, update: int, data_position: int, timer: Timer,
+            hook=None):
   """One RL update: rollouts, advantages, jitted update. Returns `(state, metrics)`."""
   c = s.config
   n = c.rollout.num_tasks
@@ -221,6 +234,8 @@ def rl_step(s: Setup, state: TrainState, update: int, data_position: int, timer:
         config_lib.rollout_config(c), sampling_seed=c.seed * 1_000_003 + update,
         reward=config_lib.reward_config(c), policy_version=update, task_seed=c.tasks.seed,
         group_offset=update * n)
+  if hook is not None:
+    hook("update", update)
   with timer("update"):
     db = to_device(batch)
     options = config_lib.loss_options(c)
@@ -266,13 +281,31 @@ def episode_metrics(batch, row_weight) -> dict:
   return out
 
 
+def collapse_alarms(config, metrics: dict) -> dict:
+  """RAGEN's Echo-Trap signals: token entropy collapsing, or in-group reward variance vanishing
+  while the policy is still failing (every group all-fail or all-identical: no learning signal)."""
+  entropy_low = metrics["entropy"] < config.alarm.min_entropy and metrics["success_rate"] < 0.99
+  std_low = (metrics["zero_advantage_group_rate"] > config.alarm.max_zero_advantage_rate
+             and metrics["success_rate"] < config.alarm.success_ceiling)
+  return {"alarm/entropy_collapse": float(entropy_low), "alarm/reward_std_collapse": float(std_low),
+          "alarm/collapse": float(entropy_low or std_low)}
+
+
 # ------------------------------------------------------------------------------------------ main
 
-def train_and_evaluate(config, workdir: str) -> dict:
-  """Runs (or resumes) the configured experiment in `workdir`; returns the final `eval.json` dict."""
+def train_and_evaluate(config, workdir: str, *, hook=None) -> dict:
+  """Runs (or resumes) the configured experiment in `workdir`; returns the final `eval.json` dict.
+
+  `hook(point, update)`, if given, is called at `"rollout"`, `"update"` and `"checkpoint"` (after a
+  save has started) of every update; the process-kill tests use it to die at a chosen point.
+  """
+  hook = hook or (lambda point, update: None)
   os.makedirs(workdir, exist_ok=True)
   s = setup(config)
   primary = jax.process_index() == 0
+  if primary:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2, sort_keys=True))
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
                               max_to_keep=config.keep_checkpoints)
   state = initial_state(s)
@@ -282,7 +315,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
                  config.sft.episodes)
     state, sft_metrics = warm_start(s, state)
     state = with_reference(s, state)
-    warm = _evaluate_both(s, state.params, config.seed + 17)
+    warm = _evaluate_both(s, state.params, config.seed + 17, full=True)
     # RL tasks start after the SFT tasks, so the first updates do not replay the demonstrations.
     meta = {"update": 0, "data_position": config.sft.episodes if config.sft.steps else 0,
             "warm_start": warm, "sft": sft_metrics}
@@ -294,17 +327,29 @@ def train_and_evaluate(config, workdir: str) -> dict:
     state, meta = checkpointer.restore(latest, template=with_reference(s, state))
     logging.info("Resuming from update %d (checkpoint in %s).", meta["update"], workdir)
   start, data_position = int(meta["update"]), int(meta["data_position"])
+  # metrics.jsonl numbers updates from 1: drop lines after the checkpoint (updates > start).
   writer = MetricsWriter(workdir, tensorboard=config.tensorboard, is_primary=primary,
-                         resume_from=start)
+                         resume_from=start + 1)
   progress = Progress(config.num_updates, initial=start, enabled=config.progress and primary)
   timer = Timer()
+  skipped_before = int(jax.device_get(state.skipped))
   for update in range(start, config.num_updates):
     timer.reset()
     started = time.perf_counter()
-    state, metrics = rl_step(s, state, update, data_position, timer)
+    hook("rollout", update)
+    state, metrics = rl_step(s, state, update, data_position, timer, hook)
     data_position += config.rollout.num_tasks
     metrics.update(timer.split())
     metrics["update_s"] = time.perf_counter() - started
+    metrics.update(collapse_alarms(config, metrics))
+    if metrics["alarm/collapse"]:
+      logging.warning("update %d: policy-collapse alarm (entropy %.4f, zero-advantage group rate "
+                      "%.2f at success %.2f)", update + 1, metrics["entropy"],
+                      metrics["zero_advantage_group_rate"], metrics["success_rate"])
+    if metrics.get("skipped_updates", 0) > skipped_before:
+      logging.warning("update %d: %d optimiser step(s) skipped for a non-finite loss or gradient",
+                      update + 1, int(metrics["skipped_updates"] - skipped_before))
+    skipped_before = metrics.get("skipped_updates", skipped_before)
     if config.eval.every and (update + 1) % config.eval.every == 0:
       for k, v in _evaluate_both(s, state.params, config.seed + 17).items():
         metrics[f"eval/{k}"] = v
@@ -313,23 +358,29 @@ def train_and_evaluate(config, workdir: str) -> dict:
     meta = dict(meta, update=update + 1, data_position=data_position)
     if (update + 1) % config.checkpoint_every == 0 or update + 1 == config.num_updates:
       checkpointer.save(update + 1, state, meta)
+      hook("checkpoint", update)
       checkpointer.wait()  # the next update donates the state's buffers; finish reading them first
   progress.close()
   checkpointer.wait()
   writer.close()
 
-  final = _evaluate_both(s, state.params, config.seed + 17)
+  final = _evaluate_both(s, state.params, config.seed + 17, full=True)
   warm = meta["warm_start"]
-  result = {"success_rate": final["success_rate"], "greedy_success_rate": final["greedy_success_rate"],
-            "warm_start_success_rate": warm["success_rate"],
-            "warm_start_greedy_success_rate": warm["greedy_success_rate"],
-            "split": config.eval.split, "num_tasks": config.eval.num_tasks,
-            "temperature": config.rollout.temperature, "num_updates": config.num_updates,
-            "env": config.env.name, "algorithm": config.algorithm.name}
+  result = dict(final)
+  result.update({"warm_start_success_rate": warm["success_rate"],
+                 "warm_start_greedy_success_rate": warm["greedy_success_rate"],
+                 "warm_start_pass_at_k": warm.get("pass_at_k"),
+                 "split": config.eval.split, "eval_tasks": config.eval.num_tasks,
+                 "attempts_per_task": config.eval.k, "temperature": config.rollout.temperature,
+                 "num_updates": config.num_updates, "env": config.env.name,
+                 "algorithm": config.algorithm.name})
   if primary:
     with open(os.path.join(workdir, "eval.json"), "w") as f:
       json.dump(result, f, indent=2, sort_keys=True)
     plot_learning_curve(workdir, result)
+    from longhorizon.eval import metrics as metrics_lib
+    metrics_lib.plot_report([("warm start", warm), ("final", final)],
+                            os.path.join(workdir, "eval.png"))
   checkpointer.close()
   return result
 
