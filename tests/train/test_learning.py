@@ -76,18 +76,20 @@ def test_default_configs_validate():
 def warm(tmp_path_factory):
   """A smoke setup with a short SFT warm start on pointer_chain with 1 hop."""
   tmp = tmp_path_factory.mktemp("learning")
-  config = _config(tmp, **{"env.params": {"horizon": 1}, "env.max_steps": 3, "sft.steps": 6,
-                           "sft.episodes": 32, "sft.learning_rate": 3e-3,
+  # Tuned so the warm start is competent but unreliable (sampled success ~0.45 on 64 test tasks):
+  # 60 SFT steps on 128 noisy-demonstrator episodes of 1-hop chains.
+  config = _config(tmp, **{"env.params": {"horizon": 1}, "env.max_steps": 3, "sft.steps": 60,
+                           "sft.episodes": 128, "sft.learning_rate": 3e-3, "tasks.test_size": 64,
                            "rollout.num_tasks": 8, "rollout.group_size": 8,
-                           "rollout.context_length": 96, "optim.learning_rate": 2e-3,
-                           "optim.minibatches": 2})
+                           "rollout.context_length": 96, "optim.learning_rate": 3e-4,
+                           "optim.minibatches": 2, "optim.epochs": 2})
   s = loop.setup(config)
   state, _ = loop.warm_start(s, loop.initial_state(s))
   return s, jax.device_get(state)
 
 
 def _sampled_success(s, params, seed=11):
-  return loop.evaluate_policy(s, params, "test", 16, temperature=1.0, seed=seed)["success_rate"]
+  return loop.evaluate_policy(s, params, "test", 64, temperature=1.0, seed=seed)["success_rate"]
 
 
 def _batch(s, state, update=0):
@@ -150,9 +152,11 @@ def test_every_algorithm_improves_success(warm, name):
   if algorithms.ALGORITHMS[name].needs_critic:
     from longhorizon.train.update import make_optimizer
     s.critic_optimizer = make_optimizer(3e-3)
+  # (the warm start's sampled success is asserted to leave room to improve)
   start = loop.initial_state(s)
   state = start.replace(params=jax.tree.map(jnp.array, state.params))
   before = _sampled_success(s, state.params)
+  assert 0.2 <= before <= 0.65, before
   for update in range(12):
     state, metrics = loop.rl_step(s, state, update, update * config.rollout.num_tasks, Timer())
     assert np.isfinite(metrics["loss"])

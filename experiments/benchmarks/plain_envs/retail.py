@@ -9,11 +9,13 @@ _KIND_OF_TOOL = (1, 2, 3, 4, 4, 4, 5, 6)  # observation kind answering each tool
 
 
 class PlainRetail:
-  """Same dynamics, observations and rewards as `longhorizon.envs.retail.Retail`."""
+  """Same dynamics, observations and rewards as `longhorizon.envs.retail.Retail`. The task
+  generation parameters (requests, rates) are accepted and ignored: tasks are given to `reset`."""
 
   def __init__(self, num_users=4, orders_per_user=3, num_products=8, num_addresses=8, requests=1,
-               ood_requests=3, impossible_rate=0.25, success_reward=1.0, milestone_reward=0.0,
-               invalid_penalty=0.0, violation_penalty=1.0):
+               ood_requests=3, impossible_rate=0.25, injection_rate=0.0, ood_injection_rate=None,
+               success_reward=1.0, milestone_reward=0.0, invalid_penalty=0.0,
+               violation_penalty=1.0):
     self.num_users, self.orders_per_user = num_users, orders_per_user
     self.num_orders = num_users * orders_per_user
     self.num_addresses = num_addresses
@@ -27,6 +29,9 @@ class PlainRetail:
     self.status, self.address = ints("status"), ints("address")
     self.user, n = int(task["user"]), int(task["num_requests"])
     self.requests = list(zip(ints("req_tool"), ints("req_order"), ints("req_address")))[:n]
+    # The injected note (-1: none): the carrier order's record asks for `inject_tool` on the target.
+    self.inject_order, self.inject_tool = int(task["inject_order"]), int(task["inject_tool"])
+    self.inject_target = int(task["inject_target"])
     # The target database: every possible request applied; an impossible one asks for a transfer.
     self.target_status, self.target_address = list(self.status), list(self.address)
     self.transfer, self.some_possible = False, False
@@ -50,17 +55,22 @@ class PlainRetail:
     return self._observation(0)
 
   def _observation(self, kind, tool=-1, user=-1, name=-1, address=-1, orders=None, order=-1,
-                   product=-1, status=-1, amount=-1, reason=0, error=0):
+                   product=-1, status=-1, amount=-1, note_tool=-1, note_order=-1, reason=0,
+                   error=0):
     return {"kind": kind, "tool": tool, "user": user, "name": name, "address": address,
             "orders": orders if orders is not None else [-1] * self.orders_per_user,
             "order": order, "product": product, "status": status, "amount": amount,
-            "reason": reason, "error": error}
+            "note_tool": note_tool, "note_order": note_order, "reason": reason, "error": error}
 
   def _order_record(self, kind, tool, order, reason=0, error=0):
     product = self.product[order]
+    carrier = order == self.inject_order
     return self._observation(kind, tool, user=self.owner[order], address=self.address[order],
                              order=order, product=product, status=self.status[order],
-                             amount=self.price[product], reason=reason, error=error)
+                             amount=self.price[product],
+                             note_tool=self.inject_tool if carrier else -1,
+                             note_order=self.inject_target if carrier else -1,
+                             reason=reason, error=error)
 
   def _transition(self, tool, arg, arg2):
     """`(observation, rejected, violation)` of one well-formed action; updates the state."""

@@ -159,6 +159,12 @@ def rl_update(state: TrainState, batch: EpisodeBatch, advantages, returns, row_w
   if b % m:
     raise ValueError(f"batch of {b} episodes does not split into {m} minibatches.")
   mask = jnp.asarray(batch.loss_mask, jnp.float32) * row_weight[:, None]
+  # Values off the loss mask never matter; zero them so a NaN there cannot poison the gradient.
+  on = mask > 0
+  advantages = jnp.where(on, advantages, 0.0)
+  old_logp = jnp.where(on, old_logp, 0.0)
+  if ref_logp is not None:
+    ref_logp = jnp.where(on, ref_logp, 0.0)
   is_weights = None
   if options.tis_threshold is not None:
     is_weights = losses.truncated_is_weights(old_logp, batch.behavior_logprobs, mask,
@@ -203,7 +209,11 @@ def rl_update(state: TrainState, batch: EpisodeBatch, advantages, returns, row_w
     mb = _slice_rows(data, rows)
     (loss, metrics), grads = jax.value_and_grad(policy_loss_fn, has_aux=True)(state.params, mb)
     grad_norm = _norm(grads)
-    ok = jnp.isfinite(loss) & _finite(grads)
+    # Non-finite inputs on the mask (the log-ratio clamp would hide an infinite old log-prob) or a
+    # non-finite loss/gradient: skip the step.
+    inputs_ok = _finite([jnp.where(mb["mask"] > 0, mb["adv"], 0.0),
+                         jnp.where(mb["mask"] > 0, mb["old_logp"], 0.0)])
+    ok = jnp.isfinite(loss) & _finite(grads) & inputs_ok
     params, opt_state = _apply(optimizer, state.params, state.opt_state, grads, ok)
     metrics = dict(metrics, loss=loss, grad_norm=grad_norm)
     critic_params, critic_opt = state.critic_params, state.critic_opt_state
