@@ -120,6 +120,13 @@ def get_config(arg=None):
   config.eval.every = 0  # evaluate during training every n updates (0: only before and after)
   config.eval.k = 4  # attempts per task in the warm-start and final evaluations (pass@k, pass^k)
 
+  # Curriculum over difficulty buckets (task_difficulty of the train split); 0 buckets: off.
+  config.curriculum = ml_collections.ConfigDict()
+  config.curriculum.num_buckets = 0
+  config.curriculum.alpha = 1.0  # weights [p (1 - p)]^alpha from running success estimates
+  config.curriculum.floor = 0.0  # minimum probability per bucket (0: 0.1 / num_buckets)
+  config.curriculum.ema = 0.1  # rate of the running success estimates
+
   # Policy-collapse alarms (logged, and as alarm/* metrics).
   config.alarm = ml_collections.ConfigDict()
   config.alarm.min_entropy = 0.002  # mean token entropy below this (while not solved)

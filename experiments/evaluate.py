@@ -63,7 +63,9 @@ def parse_faults(text: str) -> dict[str, float]:
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
-  logging.get_absl_handler().addFilter(lambda record: "/orbax/" not in record.pathname)
+  logging.get_absl_handler().addFilter(
+      lambda record: "/orbax/" not in record.pathname
+      and "/tensorflow_datasets/" not in record.pathname)
   ckpt = _CHECKPOINT.value
   config, params, model_config, tokenizer = None, None, None, None
   workdir_config = os.path.join(ckpt, "config.json") if ckpt not in runner.BASELINES else ""

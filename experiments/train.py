@@ -44,7 +44,9 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.INFO)
   # orbax logs every save step at INFO; keep the console to this run's own messages.
-  logging.get_absl_handler().addFilter(lambda record: "/orbax/" not in record.pathname)
+  logging.get_absl_handler().addFilter(
+      lambda record: "/orbax/" not in record.pathname
+      and "/tensorflow_datasets/" not in record.pathname)
   logging.info("JAX devices: %s (process %d of %d)", jax.devices(), jax.process_index(),
                jax.process_count())
   result = loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value, hook=crash_hook())

@@ -185,3 +185,14 @@ def test_resume_equals_uninterrupted(tmp_path):
   with open(tmp_path / "resumed" / "eval.json") as f:
     assert json.load(f) == result
   assert os.path.exists(tmp_path / "resumed" / "learning_curve.png")
+
+
+@pytest.mark.slow
+def test_curriculum_state_is_logged_and_checkpointed(tmp_path):
+  config = _config(tmp_path, num_updates=2, checkpoint_every=1, **{"curriculum.num_buckets": 2})
+  loop.train_and_evaluate(config, str(tmp_path / "run"))
+  rows = read_metrics(str(tmp_path / "run"))
+  assert all("curriculum/prob_0" in r and "curriculum/p_0" in r for r in rows)
+  from longhorizon.train.checkpoints import Checkpointer
+  _, meta = Checkpointer(str(tmp_path / "run" / "checkpoints")).restore()
+  assert meta["curriculum"]["num_buckets"] == 2 and sum(meta["curriculum"]["cursor"]) == 8

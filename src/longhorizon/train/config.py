@@ -33,7 +33,7 @@ _POSITIVE_INTS = ("env.max_steps", "rollout.num_tasks", "rollout.group_size", "r
                   "rollout.turn_tokens", "eval.k", "optim.epochs", "optim.minibatches", "sft.minibatches",
                   "eval.num_tasks", "tasks.train_size", "tasks.test_size", "tasks.ood_size",
                   "checkpoint_every", "keep_checkpoints", "mesh.data", "mesh.fsdp", "mesh.tensor")
-_NON_NEGATIVE = ("num_updates", "sft.steps", "sft.episodes", "eval.every", "algorithm.kl_coef",
+_NON_NEGATIVE = ("num_updates", "curriculum.num_buckets", "curriculum.floor", "curriculum.alpha", "sft.steps", "sft.episodes", "eval.every", "algorithm.kl_coef",
                  "algorithm.entropy_coef", "algorithm.tis_threshold", "optim.warmup_steps",
                  "optim.weight_decay", "env.loop_k", "rollout.top_k", "algorithm.clip_low",
                  "algorithm.clip_high", "algorithm.value_coef")

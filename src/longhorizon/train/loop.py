@@ -222,11 +222,16 @@ _critic_values = jax.jit(critic_values, static_argnames=("config",))
 
 
 def rl_step(s: Setup, state: TrainState, update: int, data_position: int, timer: Timer,
-            hook=None):
-  """One RL update: rollouts, advantages, jitted update. Returns `(state, metrics)`."""
+            hook=None, task_indices=None):
+  """One RL update: rollouts, advantages, jitted update. Returns `(state, metrics)`.
+
+  Tasks are the next `num_tasks` train tasks from `data_position`, or `task_indices` (curriculum)."""
   c = s.config
   n = c.rollout.num_tasks
-  tasks = _tasks_at(s.train_tasks, data_position, n)
+  if task_indices is None:
+    tasks = _tasks_at(s.train_tasks, data_position, n)
+  else:
+    tasks = task_suites.stack(s.train_tasks, task_indices)
   env_keys = jax.random.split(_key(c.seed, 5, update), n)
   with timer("rollout"):
     batch, stats = rollout.collect(
@@ -254,6 +259,7 @@ def rl_step(s: Setup, state: TrainState, update: int, data_position: int, timer:
     m = jax.device_get(m)
   metrics = {k: float(np.asarray(v)) for k, v in m.items()}
   metrics.update(episode_metrics(batch, adv.row_weight))
+  metrics["_task_success"] = np.asarray(batch.success).reshape(n, -1).mean(-1)
   metrics.update({k: float(v) for k, v in stats.as_dict().items()})
   return state, metrics
 
@@ -279,6 +285,23 @@ def episode_metrics(batch, row_weight) -> dict:
   flat = [np.ptp(scores[groups == g]) == 0 for g in np.unique(groups)]
   out["zero_advantage_group_rate"] = float(np.mean(flat))
   return out
+
+
+def make_curriculum(s: Setup, state_dict=None):
+  """`(Curriculum, bucket index arrays)` over the train split's difficulty buckets, or `(None,
+  None)` when `config.curriculum.num_buckets` is 0. Its state lives in the checkpoint meta."""
+  c = s.config.curriculum
+  if not c.num_buckets:
+    return None, None
+  from longhorizon.train.curriculum import Curriculum, bucket_indices
+  n = len(s.train_tasks)
+  difficulty = jax.jit(jax.vmap(s.env.task_difficulty))
+  levels = np.concatenate([np.asarray(difficulty(task_suites.stack(s.train_tasks, range(i, min(i + 1024, n)))))
+                           for i in range(0, n, 1024)])
+  curriculum = Curriculum(c.num_buckets, alpha=c.alpha, floor=c.floor or None, ema=c.ema)
+  if state_dict:
+    curriculum.load_state_dict(state_dict)
+  return curriculum, bucket_indices(levels, c.num_buckets)
 
 
 def collapse_alarms(config, metrics: dict) -> dict:
@@ -333,11 +356,23 @@ def train_and_evaluate(config, workdir: str, *, hook=None) -> dict:
   progress = Progress(config.num_updates, initial=start, enabled=config.progress and primary)
   timer = Timer()
   skipped_before = int(jax.device_get(state.skipped))
+  curriculum, buckets = make_curriculum(s, meta.get("curriculum"))
   for update in range(start, config.num_updates):
     timer.reset()
     started = time.perf_counter()
     hook("rollout", update)
-    state, metrics = rl_step(s, state, update, data_position, timer, hook)
+    task_indices = task_buckets = None
+    if curriculum is not None:
+      from longhorizon.train.curriculum import draw_tasks
+      task_indices, task_buckets, curriculum.cursor = draw_tasks(
+          curriculum, buckets, np.random.default_rng([config.seed, update]),
+          config.rollout.num_tasks, curriculum.cursor)
+    state, metrics = rl_step(s, state, update, data_position, timer, hook, task_indices)
+    task_success = metrics.pop("_task_success")
+    if curriculum is not None:
+      curriculum.update(task_buckets, task_success)
+      metrics.update(curriculum.metrics())
+      meta = dict(meta, curriculum=curriculum.state_dict())
     data_position += config.rollout.num_tasks
     metrics.update(timer.split())
     metrics["update_s"] = time.perf_counter() - started
