@@ -32,7 +32,9 @@ _CHOICES = {
 _POSITIVE_INTS = ("env.max_steps", "rollout.num_tasks", "rollout.group_size", "rollout.context_length",
                   "rollout.turn_tokens", "eval.k", "optim.epochs", "optim.minibatches", "sft.minibatches",
                   "eval.num_tasks", "tasks.train_size", "tasks.test_size", "tasks.ood_size",
-                  "checkpoint_every", "keep_checkpoints", "mesh.data", "mesh.fsdp", "mesh.tensor")
+                  "checkpoint_every", "keep_checkpoints", "mesh.data", "mesh.fsdp", "mesh.tensor",
+                  "model.hidden_size", "model.num_hidden_layers", "model.num_attention_heads",
+                  "model.num_key_value_heads", "model.intermediate_size")
 _NON_NEGATIVE = ("num_updates", "curriculum.num_buckets", "curriculum.floor", "curriculum.alpha", "sft.steps", "sft.episodes", "eval.every", "algorithm.kl_coef",
                  "algorithm.entropy_coef", "algorithm.tis_threshold", "optim.warmup_steps",
                  "optim.weight_decay", "env.loop_k", "rollout.top_k", "algorithm.clip_low",
@@ -52,8 +54,49 @@ def _fail(path, value, allowed):
   raise ValueError(f"config.{path}={value!r} is not allowed; expected {allowed}.")
 
 
+_REALS = ("rollout.temperature", "rollout.top_p", "reward.success", "reward.milestone", "reward.cost",
+          "reward.invalid", "reward.violation", "algorithm.clip_low", "algorithm.clip_high",
+          "algorithm.dual_clip", "algorithm.kl_coef", "algorithm.entropy_coef",
+          "algorithm.tis_threshold", "algorithm.gamma", "algorithm.lam", "algorithm.step_gamma",
+          "algorithm.step_weight", "algorithm.keep_top_groups", "algorithm.value_coef",
+          "optim.learning_rate", "optim.critic_learning_rate", "optim.weight_decay",
+          "optim.max_grad_norm", "sft.learning_rate", "sft.demo_epsilon", "curriculum.alpha",
+          "curriculum.floor", "curriculum.ema", "alarm.min_entropy",
+          "alarm.max_zero_advantage_rate", "alarm.success_ceiling")
+_BOOLS = ("algorithm.gspo", "algorithm.normalize_std", "algorithm.filter_zero_std", "tensorboard",
+          "progress")
+
+
+def _check_types(config):
+  import math
+  for path in _REALS:
+    value = _get(config, path)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+      _fail(path, value, "a finite number")
+  for path in _BOOLS:
+    value = _get(config, path)
+    if not isinstance(value, bool):
+      _fail(path, value, "True or False")
+  for path in _POSITIVE_INTS + ("num_updates", "sft.steps", "sft.episodes", "eval.every",
+                                "optim.warmup_steps", "env.loop_k", "rollout.top_k", "seed",
+                                "tasks.seed", "curriculum.num_buckets", "env.max_steps"):
+    value = _get(config, path)
+    if isinstance(value, bool) or not isinstance(value, int):
+      _fail(path, value, "an integer")
+  for path in ("model.checkpoint", "tasks.data_dir", "algorithm.agg"):
+    if not isinstance(_get(config, path), str):
+      _fail(path, _get(config, path), "a string")
+  for path in ("env.params", "env.faults", "env.tool_costs"):
+    if not hasattr(_get(config, path), "items"):
+      _fail(path, _get(config, path), "a mapping")
+  for name, rate in config.env.faults.items():
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
+      _fail(f"env.faults.{name}", rate, "a probability in [0, 1]")
+
+
 def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Checks the training config; returns it unchanged or raises `ValueError` naming the field."""
+  _check_types(config)
   checks = dict(_CHOICES)
   checks["env.name"] = tuple(envs.registered())
   checks["algorithm.name"] = tuple(sorted(ALGORITHMS))
@@ -85,6 +128,13 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _fail("algorithm.dual_clip", config.algorithm.dual_clip, "0 (off) or a number > 1")
   if not 0 < config.algorithm.keep_top_groups <= 1:
     _fail("algorithm.keep_top_groups", config.algorithm.keep_top_groups, "a fraction in (0, 1]")
+  m = config.model
+  if m.hidden_size % m.num_attention_heads:
+    _fail("model.num_attention_heads", m.num_attention_heads,
+          f"a divisor of model.hidden_size={m.hidden_size}")
+  if m.num_attention_heads % m.num_key_value_heads:
+    _fail("model.num_key_value_heads", m.num_key_value_heads,
+          f"a divisor of model.num_attention_heads={m.num_attention_heads}")
   if config.reward.violation > 0:
     _fail("reward.violation", config.reward.violation, "a number <= 0 (a violation is a failure)")
   batch = config.rollout.num_tasks * config.rollout.group_size
