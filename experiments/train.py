@@ -19,7 +19,28 @@ from longhorizon.train import loop
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and results.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
+                                   "Multi-host: host:port of process 0 (or JAX_COORDINATOR_ADDRESS).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.")
 flags.mark_flags_as_required(["config", "workdir"])
+
+
+def maybe_initialize_distributed():
+  """Calls `jax.distributed.initialize` for multi-host runs: with explicit flags, with the standard
+  environment variables (JAX_COORDINATOR_ADDRESS, ...), or on a Cloud TPU pod (auto-detected)."""
+  explicit = _COORDINATOR.value or _NUM_PROCESSES.value or _PROCESS_ID.value is not None
+  from_env = "JAX_COORDINATOR_ADDRESS" in os.environ or "TPU_WORKER_HOSTNAMES" in os.environ
+  if not (explicit or from_env):
+    return
+  kwargs = {}
+  if _COORDINATOR.value:
+    kwargs["coordinator_address"] = _COORDINATOR.value
+  if _NUM_PROCESSES.value:
+    kwargs["num_processes"] = _NUM_PROCESSES.value
+  if _PROCESS_ID.value is not None:
+    kwargs["process_id"] = _PROCESS_ID.value
+  jax.distributed.initialize(**kwargs)
 
 
 def crash_hook():
@@ -47,6 +68,7 @@ def main(argv):
   logging.get_absl_handler().addFilter(
       lambda record: "/orbax/" not in record.pathname
       and "/tensorflow_datasets/" not in record.pathname)
+  maybe_initialize_distributed()
   logging.info("JAX devices: %s (process %d of %d)", jax.devices(), jax.process_index(),
                jax.process_count())
   result = loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value, hook=crash_hook())
