@@ -23,13 +23,17 @@ _COORDINATOR = flags.DEFINE_string("coordinator_address", None,
                                    "Multi-host: host:port of process 0 (or JAX_COORDINATOR_ADDRESS).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False, "Multi-host: always call jax.distributed.initialize() (Cloud TPU pods "
+    "find their coordinator from the metadata server; experiments/launch_tpu_pod.sh sets this).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
 def maybe_initialize_distributed():
   """Calls `jax.distributed.initialize` for multi-host runs: with explicit flags, with the standard
   environment variables (JAX_COORDINATOR_ADDRESS, ...), or on a Cloud TPU pod (auto-detected)."""
-  explicit = _COORDINATOR.value or _NUM_PROCESSES.value or _PROCESS_ID.value is not None
+  explicit = (_DISTRIBUTED.value or _COORDINATOR.value or _NUM_PROCESSES.value
+              or _PROCESS_ID.value is not None)
   from_env = "JAX_COORDINATOR_ADDRESS" in os.environ or "TPU_WORKER_HOSTNAMES" in os.environ
   if not (explicit or from_env):
     return
