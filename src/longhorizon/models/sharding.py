@@ -78,10 +78,26 @@ def init_sharded_params(module: nn.Module, sample_input, key, mesh: Mesh,
   return jax.jit(init, out_shardings=shardings)()
 
 
+def fit_sharding(sharding: NamedSharding, shape) -> NamedSharding:
+  """`sharding` with every dimension that its mesh axes do not divide evenly left unsharded (e.g. a
+  69-token vocabulary on a tensor axis of 2)."""
+  spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+  sizes = dict(zip(sharding.mesh.axis_names, sharding.mesh.devices.shape))
+  fitted = []
+  for dim, axes in zip(shape, spec):
+    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    ways = int(np.prod([sizes[n] for n in names])) if names else 1
+    fitted.append(axes if dim % ways == 0 else None)
+  return NamedSharding(sharding.mesh, PartitionSpec(*fitted))
+
+
 def shard_params(params, module: nn.Module, sample_input, mesh: Mesh,
                  rules: Sequence = DEFAULT_RULES):
-  """Places existing (unboxed) params, e.g. loaded from a checkpoint, onto their shardings."""
-  return jax.device_put(params, param_shardings(module, sample_input, mesh, rules))
+  """Places existing (unboxed) params, e.g. loaded from a checkpoint, onto their shardings
+  (dimensions the mesh does not divide evenly stay unsharded)."""
+  shardings = param_shardings(module, sample_input, mesh, rules)
+  shardings = jax.tree.map(lambda p, sh: fit_sharding(sh, np.shape(p)), params, shardings)
+  return jax.device_put(params, shardings)
 
 
 def batch_sharding(mesh: Mesh, rank: int = 2, rules: Sequence = DEFAULT_RULES) -> NamedSharding:

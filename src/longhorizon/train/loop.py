@@ -56,6 +56,21 @@ class Setup:
   eval_tasks: dict
   optimizer: Any
   critic_optimizer: Any
+  mesh: Any = None  # jax.sharding.Mesh when config.mesh has more than one device
+
+
+def in_mesh(s: "Setup"):
+  """A context with the run's mesh and logical-axis rules active (a no-op on one device), so
+  jitted functions traced inside it honour the models' logical sharding constraints."""
+  import contextlib
+  if s.mesh is None:
+    return contextlib.nullcontext()
+  import flax.linen as nn
+  from longhorizon.models import sharding
+  stack = contextlib.ExitStack()
+  stack.enter_context(s.mesh)
+  stack.enter_context(nn.logical_axis_rules(sharding._rules(sharding.DEFAULT_RULES)))
+  return stack
 
 
 def _key(seed: int, *path: int):
@@ -110,8 +125,17 @@ def setup(config) -> Setup:
   critic_optimizer = None
   if algorithms.ALGORITHMS[config.algorithm.name].needs_critic:
     critic_optimizer = make_optimizer(o.critic_learning_rate, max_grad_norm=o.max_grad_norm)
+  mesh = None
+  if config.mesh.data * config.mesh.fsdp * config.mesh.tensor > 1:
+    # Parameters (and so optimiser state) are placed by the logical-axis rules: fsdp shards the
+    # model width, tensor the heads / MLP / vocabulary; jit propagates the shardings through the
+    # rollout and the update.
+    from longhorizon.models import Transformer, sharding
+    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    params = sharding.shard_params(params, Transformer(model_config), jnp.zeros((1, 1), jnp.int32),
+                                   mesh)
   return Setup(config, env, codec, model_config, params, train_tasks, eval_tasks, optimizer,
-               critic_optimizer)
+               critic_optimizer, mesh)
 
 
 def initial_state(s: Setup) -> TrainState:
@@ -304,6 +328,15 @@ def make_curriculum(s: Setup, state_dict=None):
   return curriculum, bucket_indices(levels, c.num_buckets)
 
 
+def params_bytes_per_device(params) -> int:
+  """The largest number of parameter bytes any one device holds (falls with fsdp / tensor)."""
+  per_device = {}
+  for leaf in jax.tree.leaves(params):
+    for shard in getattr(leaf, "addressable_shards", []):
+      per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+  return max(per_device.values()) if per_device else 0
+
+
 def collapse_alarms(config, metrics: dict) -> dict:
   """RAGEN's Echo-Trap signals: token entropy collapsing, or in-group reward variance vanishing
   while the policy is still failing (every group all-fail or all-identical: no learning signal)."""
@@ -317,6 +350,13 @@ def collapse_alarms(config, metrics: dict) -> dict:
 # ------------------------------------------------------------------------------------------ main
 
 def train_and_evaluate(config, workdir: str, *, hook=None) -> dict:
+  """Runs (or resumes) the configured experiment in `workdir` (see `_train_and_evaluate`)."""
+  s = setup(config)
+  with in_mesh(s):
+    return _train_and_evaluate(s, config, workdir, hook=hook)
+
+
+def _train_and_evaluate(s: Setup, config, workdir: str, *, hook=None) -> dict:
   """Runs (or resumes) the configured experiment in `workdir`; returns the final `eval.json` dict.
 
   `hook(point, update)`, if given, is called at `"rollout"`, `"update"` and `"checkpoint"` (after a
@@ -324,7 +364,6 @@ def train_and_evaluate(config, workdir: str, *, hook=None) -> dict:
   """
   hook = hook or (lambda point, update: None)
   os.makedirs(workdir, exist_ok=True)
-  s = setup(config)
   primary = jax.process_index() == 0
   if primary:
     with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -356,6 +395,7 @@ def train_and_evaluate(config, workdir: str, *, hook=None) -> dict:
   progress = Progress(config.num_updates, initial=start, enabled=config.progress and primary)
   timer = Timer()
   skipped_before = int(jax.device_get(state.skipped))
+  param_bytes = params_bytes_per_device(state.params)
   curriculum, buckets = make_curriculum(s, meta.get("curriculum"))
   for update in range(start, config.num_updates):
     timer.reset()
@@ -376,6 +416,7 @@ def train_and_evaluate(config, workdir: str, *, hook=None) -> dict:
     data_position += config.rollout.num_tasks
     metrics.update(timer.split())
     metrics["update_s"] = time.perf_counter() - started
+    metrics["params/bytes_per_device"] = param_bytes
     metrics.update(collapse_alarms(config, metrics))
     if metrics["alarm/collapse"]:
       logging.warning("update %d: policy-collapse alarm (entropy %.4f, zero-advantage group rate "
