@@ -148,8 +148,7 @@ def word_level_tokenizer(words: Sequence[str], special_tokens: Mapping[str, str]
       `decode(..., skip_special_tokens=True)`.
     chat_template: optional jinja chat template.
   """
-  from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-  from transformers import PreTrainedTokenizerFast
+  from tokenizers import Tokenizer, models, pre_tokenizers
 
   if special_tokens is None:
     special_tokens = {"pad_token": "<pad>", "unk_token": "<unk>", "bos_token": "<bos>",
@@ -163,12 +162,25 @@ def word_level_tokenizer(words: Sequence[str], special_tokens: Mapping[str, str]
   bad = [w for w in words if not isinstance(w, str) or not w or any(c.isspace() for c in w)]
   if bad:
     raise ValueError(f"words must be non-empty strings without whitespace; got {bad[:5]!r}.")
-  specials = list(dict.fromkeys([*special_tokens.values(), *extra_special_tokens]))
-  vocab = {}
-  for token in [*specials, *words]:
-    vocab.setdefault(token, len(vocab))
+  specials, vocab = _vocab_with_specials(special_tokens, extra_special_tokens, words)
   backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=special_tokens["unk_token"]))
   backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  return _wrap(backend, specials, special_tokens, extra_special_tokens, chat_template)
+
+
+def _vocab_with_specials(special_tokens, extra_special_tokens, symbols):
+  """(special token list, token -> id): specials first, then `symbols` (duplicates dropped)."""
+  specials = list(dict.fromkeys([*special_tokens.values(), *extra_special_tokens]))
+  vocab = {}
+  for token in [*specials, *symbols]:
+    vocab.setdefault(token, len(vocab))
+  return specials, vocab
+
+
+def _wrap(backend, specials, special_tokens, extra_special_tokens, chat_template):
+  """A `PreTrainedTokenizerFast` over a `tokenizers` backend, with the special tokens registered."""
+  from tokenizers import AddedToken
+  from transformers import PreTrainedTokenizerFast
   backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
   tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=chat_template,
                                       clean_up_tokenization_spaces=False, **special_tokens)
@@ -185,25 +197,17 @@ def char_tokenizer(special_tokens: Mapping[str, str] | None = None,
   models. Ids: the special tokens first (default `pad=0, unk=1, bos=2, eos=3`), then the extra
   special tokens, then the 256 byte symbols.
   """
-  from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-  from transformers import PreTrainedTokenizerFast
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
   if special_tokens is None:
     special_tokens = {"pad_token": "<pad>", "unk_token": "<unk>", "bos_token": "<bos>",
                       "eos_token": "<eos>"}
-  specials = list(dict.fromkeys([*special_tokens.values(), *extra_special_tokens]))
-  vocab = {}
-  for token in [*specials, *pre_tokenizers.ByteLevel.alphabet()]:
-    vocab.setdefault(token, len(vocab))
+  specials, vocab = _vocab_with_specials(special_tokens, extra_special_tokens,
+                                         pre_tokenizers.ByteLevel.alphabet())
   backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=special_tokens.get("unk_token")))
   backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
   backend.decoder = decoders.ByteLevel()
-  backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-  tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=chat_template,
-                                      clean_up_tokenization_spaces=False, **special_tokens)
-  if extra_special_tokens:
-    tokenizer.add_special_tokens({"additional_special_tokens": list(extra_special_tokens)})
-  return tokenizer
+  return _wrap(backend, specials, special_tokens, extra_special_tokens, chat_template)
 
 
 # ------------------------------------------------------------------------------- chat and tools
