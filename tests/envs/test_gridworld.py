@@ -442,3 +442,18 @@ def test_vocabulary_covers_every_compact_word(env, tasks):
              "has_key": has_key, "event": event, "error": 0}
       words |= set(env.observation_text(obs, "compact").split())
   assert words <= vocabulary, words - vocabulary
+
+
+def test_min_length_gives_tasks_of_exactly_the_asked_length():
+  from longhorizon import envs
+  env = envs.make("gridworld", size=6, key_door=False, max_length=8, min_length=8, candidates=128)
+  tasks = jax.vmap(lambda k: env.generate_task(k, "train"))(jax.random.split(jax.random.key(1), 64))
+  lengths = np.asarray(jax.vmap(env.task_difficulty)(tasks))
+  assert np.mean(lengths == 8) >= 0.95
+  loose = envs.make("gridworld", size=6, key_door=False, max_length=8)
+  tasks = jax.vmap(lambda k: loose.generate_task(k, "train"))(jax.random.split(jax.random.key(1), 64))
+  assert np.mean(np.asarray(jax.vmap(loose.task_difficulty)(tasks)) == 8) < 0.5
+  with pytest.raises(ValueError, match="min_length"):
+    envs.make("gridworld", size=6, max_length=4, min_length=5)
+  with pytest.raises(ValueError, match="candidates"):
+    envs.make("gridworld", candidates=0)

@@ -97,9 +97,13 @@ class GridWorld(Environment):
     key_door: whether tasks have a key and a locked door on every route to the goal.
     max_length: longest shortest solution of train/test tasks (default `2 * size - 1` with
       `key_door`, else `size - 2`: about the median length of unconstrained layouts).
+    min_length: shortest shortest solution of train/test tasks (default 0). With
+      `min_length == max_length` every task needs exactly that many moves (horizon studies).
     ood_num_walls: extra walls of `ood` tasks (default `num_walls + 2`).
     ood_num_holes: holes of `ood` tasks (default `num_holes + 1`).
     ood_min_length: shortest solution of `ood` tasks is at least this (default `max_length + 1`).
+    candidates: layouts drawn per task; the first one meeting the length bounds is kept (if none
+      does, the first layout, solvable all the same). Narrow bounds need more candidates.
     **reward: `RewardSpec` fields (success_reward, milestone_reward, invalid_penalty, ...).
   """
 
@@ -109,7 +113,8 @@ class GridWorld(Environment):
 
   def __init__(self, size: int = 5, num_walls: int = 2, num_holes: int = 2, key_door: bool = True,
                max_length: int | None = None, ood_num_walls: int | None = None,
-               ood_num_holes: int | None = None, ood_min_length: int | None = None, **reward):
+               ood_num_holes: int | None = None, ood_min_length: int | None = None,
+               min_length: int = 0, candidates: int = _CANDIDATES, **reward):
     super().__init__(**reward)
     self.size = int(size)
     self.key_door = bool(key_door)
@@ -123,6 +128,13 @@ class GridWorld(Environment):
     if max_length is None:
       max_length = 2 * self.size - 1 if self.key_door else self.size - 2
     self.max_length = int(max_length)
+    self.min_length = int(min_length)
+    if not 0 <= self.min_length <= self.max_length:
+      raise ValueError(f"gridworld: min_length must be in [0, max_length={self.max_length}], "
+                       f"got {min_length}.")
+    self.candidates = int(candidates)
+    if self.candidates < 1:
+      raise ValueError(f"gridworld: candidates must be >= 1, got {candidates}.")
     self.ood_min_length = int(ood_min_length if ood_min_length is not None else max_length + 1)
     # Cells left for extra walls and holes: all but the barrier, the start, the key and the goal.
     free = self.size * self.size - (self.size + 3 if self.key_door else 2)
@@ -146,9 +158,9 @@ class GridWorld(Environment):
     ood = split == "ood"
     walls = self.ood_num_walls if ood else self.num_walls
     holes = self.ood_num_holes if ood else self.num_holes
-    low, high = (self.ood_min_length, _NO_LIMIT) if ood else (0, self.max_length)
+    low, high = (self.ood_min_length, _NO_LIMIT) if ood else (self.min_length, self.max_length)
     grids, starts, placed = jax.vmap(lambda k: self._candidate(k, walls, holes))(
-        jax.random.split(key, _CANDIDATES))
+        jax.random.split(key, self.candidates))
     lengths = jax.vmap(_shortest_length)(grids, starts)
     wanted = placed & (lengths >= low) & (lengths <= high)
     pick = jnp.argmax(wanted)  # the first wanted one, else candidate 0 (solvable all the same)

@@ -1,0 +1,89 @@
+"""The horizon-cliff sweep: env x horizon x algorithm x seed, same budget per run.
+
+Run (see experiments/horizon_sweep.py for the flags):
+
+  python experiments/horizon_sweep.py --config=configs/horizon_sweep.py \
+      --out=experiments/results/horizon_sweep
+
+Variants (`--config=configs/horizon_sweep.py:VARIANT`):
+  cpu (default)  sized for a 2-core CPU in about an hour and a half: pointer_chain N in {2, 4, 8, 16},
+                 gridworld N in {2, 4, 8} (N = 16 needs a 10x10 grid whose ~110-token observations
+                 put 20-turn episodes past this budget), 6 algorithms, 3 seeds; the main job's
+                 2-layer d=128 policy; per run 16 RL updates of 8 tasks x 8 rollouts (1,024
+                 episodes) from a shared SFT warm start.
+  accelerator    the same sweep at accelerator scale: N up to 32 on both envs, a 4-layer d=256
+                 policy, 60 updates of 32 tasks x 8 rollouts (15,360 episodes per run).
+  smoke          minutes on a CPU: pointer_chain N in {2, 4}, gridworld N=2, grpo and gigpo, one
+                 seed, 2 updates.
+Every run of a cell (env, N, seed) starts from the same SFT warm start (noisy demonstrator,
+epsilon 0.2), so the algorithms differ only in credit assignment; all share every other
+hyperparameter (none is tuned per algorithm).
+"""
+
+import importlib.util
+import os
+
+import ml_collections
+
+ALGORITHMS = ("grpo", "drgrpo", "rloo", "ppo_gae", "ppo_lagae", "gigpo")
+VARIANTS = ("cpu", "accelerator", "smoke")
+
+
+def _default_config():
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py")
+  spec = importlib.util.spec_from_file_location("longhorizon_configs_default", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def get_config(arg=None):
+  variant = arg or "cpu"
+  if variant not in VARIANTS:
+    raise ValueError(f"unknown variant {arg!r} of configs/horizon_sweep.py; use one of {VARIANTS}.")
+  config = _default_config()
+  config.unlock()
+  config.num_updates = 16
+  config.rollout.num_tasks = 8
+  config.rollout.group_size = 8
+  config.tasks.train_size = 1024
+  config.tasks.test_size = 64
+  config.tasks.ood_size = 8  # unused here
+  config.sft.steps = 80
+  config.sft.episodes = 64
+  config.eval.num_tasks = 64
+  config.eval.k = 2  # sampled attempts per test task
+  config.tensorboard = False
+  config.progress = False
+  config.sweep = ml_collections.ConfigDict()
+  config.sweep.pointer_chain = (2, 4, 8, 16)
+  config.sweep.gridworld = (2, 4, 8)
+  config.sweep.algorithms = ALGORITHMS
+  config.sweep.seeds = (0, 1, 2)
+  if variant == "accelerator":
+    config.model.hidden_size = 256
+    config.model.num_hidden_layers = 4
+    config.model.intermediate_size = 768
+    config.num_updates = 60
+    config.rollout.num_tasks = 32
+    config.tasks.train_size = 4096
+    config.tasks.test_size = 256
+    config.eval.num_tasks = 256
+    config.eval.k = 4
+    config.sweep.pointer_chain = (2, 4, 8, 16, 32)
+    config.sweep.gridworld = (2, 4, 8, 16, 32)
+  elif variant == "smoke":
+    config.num_updates = 2
+    config.rollout.num_tasks = 4
+    config.rollout.group_size = 4
+    config.tasks.train_size = 128
+    config.tasks.test_size = 8
+    config.sft.steps = 8
+    config.sft.episodes = 16
+    config.eval.num_tasks = 8
+    config.sweep.pointer_chain = (2, 4)
+    config.sweep.gridworld = (2,)
+    config.sweep.algorithms = ("grpo", "gigpo")
+    config.sweep.seeds = (0,)
+  config.lock()
+  return config

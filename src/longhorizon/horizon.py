@@ -1,0 +1,467 @@
+"""The horizon cliff: end-to-end success versus horizon, per credit-assignment algorithm.
+
+One *cell* is `(env, horizon, seed)`: a policy is warm-started once by SFT on noisy-demonstrator
+episodes, then every algorithm trains a copy of that same warm start for the same budget (updates x
+tasks x group), so algorithms differ only in how they assign credit. Per run we record the
+warm-start and final success (sampled at the rollout temperature, and greedy), the *single-step
+accuracy* p (the mean probability the policy gives the oracle's action in states along oracle
+episodes, teacher-forced), its independent-steps prediction p^H for an episode of H actions, the
+episodes and tokens consumed, and the training-success learning curve.
+
+`run_sweep` runs cells one after another in this process (compiled functions are shared by every
+run of one shape), appends finished cells to `results.csv` / `curves.csv` and skips cells already
+there, so a killed sweep resumes. `summarize` and the `plot_*` functions read those files back;
+`experiments/horizon_sweep.py` is the entry point and `notebooks/credit_assignment_ablation.ipynb`
+reuses the plots.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import dataclasses
+import json
+import math
+import os
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["ALGORITHMS", "Cell", "actions_needed", "cell_config", "step_probabilities", "step_accuracy", "run_cell",
+           "run_sweep", "read_results", "summarize", "plot_success_vs_horizon",
+           "plot_learning_curves", "plot_sample_efficiency", "plot_all", "markdown_table"]
+
+# Label -> config overrides. Every run shares all other hyperparameters (none is tuned per method).
+ALGORITHMS = {
+    "grpo": {"algorithm.name": "grpo"},
+    "drgrpo": {"algorithm.name": "drgrpo"},
+    "rloo": {"algorithm.name": "rloo"},
+    "ppo_gae": {"algorithm.name": "ppo", "algorithm.advantage": "gae"},
+    "ppo_lagae": {"algorithm.name": "ppo", "algorithm.advantage": "length_adaptive_gae"},
+    "gigpo": {"algorithm.name": "gigpo"},
+}
+
+RESULT_FIELDS = ("env", "horizon", "actions", "algorithm", "seed", "updates", "episodes", "tokens",
+                 "warm_success", "warm_greedy_success", "warm_step_accuracy", "warm_predicted",
+                 "final_success", "final_greedy_success", "final_step_accuracy", "final_predicted",
+                 "gain", "gain_per_1k_episodes", "gain_per_1m_tokens", "mean_task_length",
+                 "wall_s")
+CURVE_FIELDS = ("env", "horizon", "algorithm", "seed", "update", "episodes", "tokens",
+                "train_success")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+  env: str
+  horizon: int
+  seed: int
+
+
+def actions_needed(env_name: str, horizon: int) -> int:
+  """Actions H of a flawless episode: `pointer_chain` follows N hops then answers (N + 1);
+  `gridworld` tasks are generated with shortest solutions of exactly N moves."""
+  if env_name == "pointer_chain":
+    return horizon + 1
+  if env_name == "gridworld":
+    return horizon
+  raise ValueError(f"horizon sweeps support pointer_chain and gridworld, got {env_name!r}.")
+
+
+def _env_settings(env_name: str, horizon: int) -> dict[str, Any]:
+  """Environment parameters and budgets for one horizon: a step limit with some slack to recover
+  from a wrong action, and a context budget that holds the longest episode."""
+  actions = actions_needed(env_name, horizon)
+  max_steps = actions + max(2, actions // 4)
+  if env_name == "pointer_chain":
+    params = {"horizon": horizon, "ood_horizon": horizon}
+    turn = 8  # "lookup 12 <eot>" + "12 -> 7" (+ separators)
+  else:
+    size = horizon // 2 + 2  # the smallest square where exactly-N shortest routes are common
+    params = {"size": size, "key_door": False, "num_walls": 2, "num_holes": 1,
+              "max_length": horizon, "min_length": horizon, "candidates": 128}
+    turn = 12 + size * (size + 1)  # the move, an event phrase and the whole grid
+  return {"env.name": env_name, "env.params": params, "env.max_steps": max_steps,
+          "rollout.context_length": 48 + turn * (max_steps + 1)}
+
+
+def _set(config, path: str, value):
+  node = config
+  *parents, leaf = path.split(".")
+  for part in parents:
+    node = node[part]
+  if isinstance(value, dict):
+    import ml_collections
+    value = ml_collections.ConfigDict(value)
+  node[leaf] = value
+
+
+def cell_config(base, env_name: str, horizon: int, algorithm: str, seed: int):
+  """`base` (a training config, e.g. configs/horizon_sweep.py) set to one run of the sweep."""
+  if algorithm not in ALGORITHMS:
+    raise ValueError(f"unknown algorithm label {algorithm!r}; expected one of {list(ALGORITHMS)}.")
+  config = copy.deepcopy(base)
+  config.unlock()
+  for path, value in {**_env_settings(env_name, horizon), **ALGORITHMS[algorithm]}.items():
+    _set(config, path, value)
+  config.seed = int(seed)
+  from longhorizon.train import config as config_lib
+  config_lib.validate(config)
+  return config
+
+
+def step_probabilities(logp, turn, loss_mask, step_mask) -> np.ndarray:
+  """`[B, S]` probability of each step's action: `exp` of the sum of its sampled tokens' log-probs
+  (`loss_mask` tokens whose `turn` is the step); NaN where the step did not happen."""
+  logp, turn = np.asarray(logp, np.float64), np.asarray(turn)
+  on = np.asarray(loss_mask, bool) & (turn >= 0)
+  steps = np.asarray(step_mask, bool)
+  sums = np.zeros(steps.shape, np.float64)
+  rows = np.broadcast_to(np.arange(turn.shape[0])[:, None], turn.shape)
+  np.add.at(sums, (rows[on], turn[on]), logp[on])
+  return np.where(steps, np.exp(sums), np.nan)
+
+
+def step_accuracy(params, model_config, oracle_batch) -> tuple[float, np.ndarray]:
+  """`(p, p_by_step)`: the probability the policy (at temperature 1) gives the oracle's action,
+  teacher-forced on oracle episodes, averaged over all steps, and by step index."""
+  from longhorizon.core.episode import to_device
+  from longhorizon.train import loop
+  logp = loop._logprobs(params, to_device(oracle_batch), config=model_config, temperature=1.0)
+  prob = step_probabilities(logp, oracle_batch.turn, oracle_batch.loss_mask,
+                            oracle_batch.step_mask)
+  with np.errstate(invalid="ignore"), __import__("warnings").catch_warnings():
+    __import__("warnings").simplefilter("ignore", RuntimeWarning)
+    return float(np.nanmean(prob)), np.nanmean(prob, axis=0)
+
+
+def _evaluate(s, params, seed: int) -> dict:
+  from longhorizon.train import loop
+  c = s.config
+  n = c.eval.num_tasks
+  sampled = loop.evaluate_policy(s, params, "test", n, temperature=c.rollout.temperature,
+                                 seed=seed, group_size=c.eval.k)
+  greedy = loop.evaluate_policy(s, params, "test", n, temperature=0.0, seed=seed)
+  return {"success": sampled["success_rate"], "greedy_success": greedy["success_rate"]}
+
+
+def run_cell(base, cell: Cell, algorithms: Sequence[str], *, log: Callable[[str], None] = print,
+             setups: dict | None = None) -> tuple[list[dict], list[dict]]:
+  """Warm start once, then every algorithm from that warm start: `(result rows, curve rows)`.
+
+  `setups` (a dict kept across calls) reuses the environment, task suites and codec of an
+  `(env, horizon)` for every seed, so their jitted functions compile once."""
+  from longhorizon import rollout
+  from longhorizon.envs import tasks as task_suites
+  from longhorizon.train import algorithms as algorithm_lib
+  from longhorizon.train import loop
+  from longhorizon.train.metrics import Timer
+  from longhorizon.train.update import make_optimizer
+  started = time.perf_counter()
+  first = cell_config(base, cell.env, cell.horizon, algorithms[0], cell.seed)
+  setups = {} if setups is None else setups
+  if (cell.env, cell.horizon) not in setups:
+    setups[(cell.env, cell.horizon)] = loop.setup(first)
+  s = setups[(cell.env, cell.horizon)]
+  if first.model.checkpoint:
+    raise ValueError("horizon sweeps train fresh tiny policies; set model.checkpoint=''.")
+  from longhorizon.models import init_params
+  s = dataclasses.replace(s, config=first,
+                          init_params=init_params(s.model_config, loop._key(cell.seed, 1)))
+  c = s.config
+  actions = actions_needed(cell.env, cell.horizon)
+  state = loop.initial_state(dataclasses.replace(s, critic_optimizer=None))
+  state, _ = loop.warm_start(s, state)
+  warm_params = jax.tree.map(jnp.copy, state.params)
+
+  # Oracle episodes of the test tasks, for the teacher-forced single-step accuracy.
+  n = c.eval.num_tasks
+  tasks = task_suites.stack(s.eval_tasks["test"], range(min(n, len(s.eval_tasks["test"]))))
+  keys = jax.random.split(jax.random.key(c.seed + 101), len(jax.tree.leaves(tasks)[0]))
+  from longhorizon.train import config as config_lib
+  oracle, _ = rollout.collect(None, None, s.env, s.codec, tasks, keys,
+                              config_lib.rollout_config(c, group_size=1), sampling_seed=0,
+                              scripted=rollout.oracle_turns(s.env, s.codec, 0.0))
+  if not np.all(oracle.success):
+    raise RuntimeError(f"{cell}: the oracle solves only {np.mean(oracle.success):.2f} of the test "
+                       "tasks; raise env.max_steps or rollout.context_length.")
+  difficulty = jax.jit(jax.vmap(s.env.task_difficulty))(tasks)
+  mean_length = float(np.mean(np.asarray(difficulty)))
+  warm = _evaluate(s, warm_params, c.seed + 17)
+  warm_p, _ = step_accuracy(warm_params, s.model_config, oracle)
+  log(f"{cell.env} N={cell.horizon} seed={cell.seed}: warm start success {warm['success']:.3f} "
+      f"(greedy {warm['greedy_success']:.3f}), step accuracy {warm_p:.3f} -> p^{actions} = "
+      f"{warm_p ** actions:.3f}  [{time.perf_counter() - started:.0f}s]")
+
+  rows, curves = [], []
+  critic_optimizer = None
+  for label in algorithms:
+    run_started = time.perf_counter()
+    config = cell_config(base, cell.env, cell.horizon, label, cell.seed)
+    needs_critic = algorithm_lib.ALGORITHMS[config.algorithm.name].needs_critic
+    if needs_critic and critic_optimizer is None:
+      o = config.optim
+      critic_optimizer = make_optimizer(o.critic_learning_rate, max_grad_norm=o.max_grad_norm)
+    # Same optimiser object for every run of the cell, so the jitted update compiles once per
+    # algorithm and shape, not once per run.
+    run = dataclasses.replace(s, config=config,
+                              critic_optimizer=critic_optimizer if needs_critic else None)
+    params = jax.tree.map(jnp.copy, warm_params)
+    state = loop.initial_state(dataclasses.replace(run, init_params=params))
+    episodes = tokens = 0
+    data_position = c.sft.episodes
+    timer = Timer()
+    for update in range(config.num_updates):
+      state, metrics = loop.rl_step(run, state, update, data_position, timer)
+      data_position += config.rollout.num_tasks
+      batch_size = config.rollout.num_tasks * config.rollout.group_size
+      episodes += batch_size
+      tokens += int(round(metrics["episode_tokens"] * batch_size))
+      curves.append({"env": cell.env, "horizon": cell.horizon, "algorithm": label,
+                     "seed": cell.seed, "update": update + 1, "episodes": episodes,
+                     "tokens": tokens, "train_success": metrics["success_rate"]})
+    final = _evaluate(run, state.params, c.seed + 17)
+    final_p, _ = step_accuracy(state.params, s.model_config, oracle)
+    gain = final["success"] - warm["success"]
+    rows.append({"env": cell.env, "horizon": cell.horizon, "actions": actions, "algorithm": label,
+                 "seed": cell.seed, "updates": config.num_updates, "episodes": episodes,
+                 "tokens": tokens, "warm_success": warm["success"],
+                 "warm_greedy_success": warm["greedy_success"], "warm_step_accuracy": warm_p,
+                 "warm_predicted": warm_p ** actions, "final_success": final["success"],
+                 "final_greedy_success": final["greedy_success"],
+                 "final_step_accuracy": final_p, "final_predicted": final_p ** actions,
+                 "gain": gain, "gain_per_1k_episodes": gain / max(episodes, 1) * 1e3,
+                 "gain_per_1m_tokens": gain / max(tokens, 1) * 1e6,
+                 "mean_task_length": mean_length,
+                 "wall_s": time.perf_counter() - run_started})
+    log(f"  {label:10s} success {warm['success']:.3f} -> {final['success']:.3f} (greedy "
+        f"{final['greedy_success']:.3f}), step accuracy {final_p:.3f} -> p^{actions} = "
+        f"{final_p ** actions:.3f}  [{time.perf_counter() - run_started:.0f}s]")
+  return rows, curves
+
+
+# ----------------------------------------------------------------------------------- files
+
+def _append(path: str, fields: Sequence[str], rows: Iterable[dict]):
+  new = not os.path.exists(path)
+  with open(path, "a", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=list(fields))
+    if new:
+      writer.writeheader()
+    for row in rows:
+      writer.writerow({k: row[k] for k in fields})
+
+
+def _read_csv(path: str) -> list[dict]:
+  if not os.path.exists(path):
+    return []
+  with open(path, newline="") as f:
+    rows = list(csv.DictReader(f))
+  for row in rows:
+    for key, value in row.items():
+      if key not in ("env", "algorithm"):
+        number = float(value)
+        row[key] = int(number) if number.is_integer() and key in (
+            "horizon", "actions", "seed", "updates", "episodes", "tokens", "update") else number
+  return rows
+
+
+def read_results(out_dir: str) -> tuple[list[dict], list[dict]]:
+  """`(result rows, curve rows)` from `results.csv` and `curves.csv` in `out_dir`."""
+  return (_read_csv(os.path.join(out_dir, "results.csv")),
+          _read_csv(os.path.join(out_dir, "curves.csv")))
+
+
+def run_sweep(base, cells: Sequence[Cell], algorithms: Sequence[str], out_dir: str, *,
+              log: Callable[[str], None] = print) -> list[dict]:
+  """Runs every cell not yet in `out_dir/results.csv`; returns all result rows."""
+  os.makedirs(out_dir, exist_ok=True)
+  done = {(r["env"], r["horizon"], r["seed"]) for r in read_results(out_dir)[0]}
+  setups: dict = {}
+  for i, cell in enumerate(cells):
+    if (cell.env, cell.horizon, cell.seed) in done:
+      log(f"[{i + 1}/{len(cells)}] {cell} already in results.csv: skipped")
+      continue
+    log(f"[{i + 1}/{len(cells)}] {cell}")
+    rows, curves = run_cell(base, cell, algorithms, log=log, setups=setups)
+    _append(os.path.join(out_dir, "curves.csv"), CURVE_FIELDS, curves)
+    _append(os.path.join(out_dir, "results.csv"), RESULT_FIELDS, rows)
+  return read_results(out_dir)[0]
+
+
+# --------------------------------------------------------------------------------- summary
+
+def summarize(rows: Sequence[dict]) -> list[dict]:
+  """Mean and standard deviation over seeds per `(env, horizon, algorithm)`."""
+  groups: dict[tuple, list[dict]] = {}
+  for row in rows:
+    groups.setdefault((row["env"], row["horizon"], row["algorithm"]), []).append(row)
+  order = {name: i for i, name in enumerate(ALGORITHMS)}
+  out = []
+  for (env, horizon, algorithm), members in sorted(
+      groups.items(), key=lambda kv: (kv[0][0], kv[0][1], order.get(kv[0][2], 99))):
+    entry = {"env": env, "horizon": horizon, "algorithm": algorithm, "seeds": len(members),
+             "actions": members[0]["actions"]}
+    for key in ("warm_success", "final_success", "final_greedy_success", "warm_step_accuracy",
+                "final_step_accuracy", "final_predicted", "gain", "gain_per_1k_episodes",
+                "gain_per_1m_tokens"):
+      values = np.array([m[key] for m in members], np.float64)
+      entry[key] = float(values.mean())
+      entry[key + "_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
+    out.append(entry)
+  return out
+
+
+def markdown_table(summary: Sequence[dict]) -> str:
+  """The summary as a Markdown table (mean +- std over seeds)."""
+  lines = ["| env | N | H | algorithm | seeds | warm success | final success | greedy | "
+           "step acc. p | p^H | gain / 1k episodes |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  pm = lambda e, k: f"{e[k]:.3f} ± {e[k + '_std']:.3f}"
+  for e in summary:
+    lines.append(f"| {e['env']} | {e['horizon']} | {e['actions']} | {e['algorithm']} | "
+                 f"{e['seeds']} | {pm(e, 'warm_success')} | {pm(e, 'final_success')} | "
+                 f"{pm(e, 'final_greedy_success')} | {pm(e, 'final_step_accuracy')} | "
+                 f"{e['final_predicted']:.3f} | {pm(e, 'gain_per_1k_episodes')} |")
+  return "\n".join(lines)
+
+
+def _plt():
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  return plt
+
+
+def _colors(labels):
+  palette = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
+             "tab:pink", "tab:gray")
+  names = list(ALGORITHMS) + [l for l in labels if l not in ALGORITHMS]
+  return {name: palette[i % len(palette)] for i, name in enumerate(names)}
+
+
+def plot_success_vs_horizon(rows: Sequence[dict], path: str) -> str:
+  """Final sampled success (mean +- std over seeds) versus horizon per algorithm, per env, with the
+  warm start and each algorithm's independent-steps prediction p^H (dotted)."""
+  plt = _plt()
+  summary = summarize(rows)
+  env_names = sorted({e["env"] for e in summary})
+  colors = _colors({e["algorithm"] for e in summary})
+  fig, axes = plt.subplots(1, len(env_names), figsize=(6 * len(env_names), 4.2), squeeze=False)
+  for ax, env in zip(axes[0], env_names):
+    entries = [e for e in summary if e["env"] == env]
+    for label in dict.fromkeys(e["algorithm"] for e in entries):
+      mine = sorted((e for e in entries if e["algorithm"] == label), key=lambda e: e["horizon"])
+      x = [e["horizon"] for e in mine]
+      ax.errorbar(x, [e["final_success"] for e in mine], [e["final_success_std"] for e in mine],
+                  color=colors[label], marker="o", capsize=3, label=label)
+      ax.plot(x, [e["final_predicted"] for e in mine], color=colors[label], ls=":", lw=1)
+    warm = {}
+    for e in entries:
+      warm.setdefault(e["horizon"], e["warm_success"])
+    ax.plot(sorted(warm), [warm[h] for h in sorted(warm)], color="black", ls="--", marker="x",
+            label="warm start")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(warm), [str(h) for h in sorted(warm)])
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("horizon N")
+    ax.set_ylabel("success (sampled, test tasks)")
+    ax.set_title(f"{env}: final success; dotted: p^H from step accuracy")
+    ax.legend(fontsize=8, loc="lower left")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
+def plot_learning_curves(curves: Sequence[dict], path: str, smooth: int = 3) -> str:
+  """Training success per update (mean over seeds, moving average of `smooth`), one panel per
+  `(env, horizon)`."""
+  plt = _plt()
+  panels = sorted({(c["env"], c["horizon"]) for c in curves})
+  cols = max(len({h for _, h in panels}), 1)
+  env_names = sorted({e for e, _ in panels})
+  fig, axes = plt.subplots(len(env_names), cols, figsize=(3.4 * cols, 2.8 * len(env_names)),
+                           squeeze=False)
+  colors = _colors({c["algorithm"] for c in curves})
+  for r, env in enumerate(env_names):
+    horizons = sorted({h for e, h in panels if e == env})
+    for k in range(cols):
+      ax = axes[r][k]
+      if k >= len(horizons):
+        ax.axis("off")
+        continue
+      h = horizons[k]
+      mine = [c for c in curves if c["env"] == env and c["horizon"] == h]
+      for label in dict.fromkeys(c["algorithm"] for c in mine):
+        by_update: dict[int, list[float]] = {}
+        for c in mine:
+          if c["algorithm"] == label:
+            by_update.setdefault(c["update"], []).append(c["train_success"])
+        x = np.array(sorted(by_update))
+        y = np.array([np.mean(by_update[u]) for u in x])
+        if smooth > 1 and len(y) >= smooth:
+          y = np.convolve(y, np.ones(smooth) / smooth, mode="valid")
+          x = x[smooth - 1:]
+        ax.plot(x, y, color=colors[label], label=label)
+      ax.set_title(f"{env} N={h}", fontsize=9)
+      ax.set_ylim(-0.02, 1.02)
+      ax.set_xlabel("update", fontsize=8)
+      if k == 0:
+        ax.set_ylabel("train success", fontsize=8)
+  axes[0][0].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return path
+
+
+def plot_sample_efficiency(rows: Sequence[dict], path: str) -> str:
+  """Success gained per 1k episodes and per 1M tokens versus horizon, per env and algorithm."""
+  plt = _plt()
+  summary = summarize(rows)
+  env_names = sorted({e["env"] for e in summary})
+  colors = _colors({e["algorithm"] for e in summary})
+  fig, axes = plt.subplots(2, len(env_names), figsize=(6 * len(env_names), 7), squeeze=False)
+  for col, env in enumerate(env_names):
+    entries = [e for e in summary if e["env"] == env]
+    for row, (key, name) in enumerate((("gain_per_1k_episodes", "success gained / 1k episodes"),
+                                       ("gain_per_1m_tokens", "success gained / 1M tokens"))):
+      ax = axes[row][col]
+      for label in dict.fromkeys(e["algorithm"] for e in entries):
+        mine = sorted((e for e in entries if e["algorithm"] == label), key=lambda e: e["horizon"])
+        ax.errorbar([e["horizon"] for e in mine], [e[key] for e in mine],
+                    [e[key + "_std"] for e in mine], color=colors[label], marker="o", capsize=3,
+                    label=label)
+      ax.axhline(0, color="gray", lw=0.8)
+      ax.set_xscale("log", base=2)
+      horizons = sorted({e["horizon"] for e in entries})
+      ax.set_xticks(horizons, [str(h) for h in horizons])
+      ax.set_xlabel("horizon N")
+      ax.set_ylabel(name)
+      ax.set_title(env)
+  axes[0][0].legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
+def plot_all(out_dir: str) -> dict[str, str]:
+  """Every plot and `summary.json` / `summary.md` from the CSV files in `out_dir`."""
+  rows, curves = read_results(out_dir)
+  if not rows:
+    raise FileNotFoundError(f"no results in {os.path.join(out_dir, 'results.csv')}")
+  summary = summarize(rows)
+  with open(os.path.join(out_dir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=1)
+  with open(os.path.join(out_dir, "summary.md"), "w") as f:
+    f.write(markdown_table(summary) + "\n")
+  return {"success_vs_horizon": plot_success_vs_horizon(
+              rows, os.path.join(out_dir, "success_vs_horizon.png")),
+          "learning_curves": plot_learning_curves(
+              curves, os.path.join(out_dir, "learning_curves.png")),
+          "sample_efficiency": plot_sample_efficiency(
+              rows, os.path.join(out_dir, "sample_efficiency.png"))}

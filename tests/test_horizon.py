@@ -1,0 +1,120 @@
+"""The horizon sweep: step-accuracy aggregation, budgets that fit the oracle, summaries, plots, and
+an end-to-end smoke sweep that resumes."""
+
+import importlib.util
+import math
+import os
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+from longhorizon import horizon
+
+ROOT = pathlib.Path(__file__).parents[1]
+
+
+def _config(variant):
+  spec = importlib.util.spec_from_file_location("hs_config", ROOT / "configs" / "horizon_sweep.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(variant)
+
+
+def test_step_probabilities_hand_case():
+  # Row 0: step 0 has two sampled tokens (0.5 * 0.5), step 1 one token (0.8); the prompt and the
+  # observation token (not in the loss mask) do not count. Row 1: one step of 0.9; step 1 absent.
+  logp = np.log([[1.0, 0.5, 0.5, 0.3, 0.8], [1.0, 0.9, 0.2, 1.0, 1.0]])
+  turn = np.array([[-1, 0, 0, 0, 1], [-1, 0, 0, -1, -1]])
+  loss = np.array([[0, 1, 1, 0, 1], [0, 1, 0, 0, 0]], bool)
+  steps = np.array([[1, 1], [1, 0]], bool)
+  prob = horizon.step_probabilities(logp, turn, loss, steps)
+  np.testing.assert_allclose(prob[0], [0.25, 0.8])
+  np.testing.assert_allclose(prob[1, 0], 0.9)
+  assert np.isnan(prob[1, 1])
+
+
+def test_step_probabilities_match_a_loop_reference():
+  rng = np.random.default_rng(0)
+  b, l, s = 5, 23, 4
+  logp = -rng.exponential(0.3, (b, l))
+  turn = np.sort(rng.integers(-1, s, (b, l)), axis=1)
+  loss = rng.random((b, l)) < 0.6
+  steps = rng.random((b, s)) < 0.8
+  expected = np.full((b, s), np.nan)
+  for i in range(b):
+    for t in range(s):
+      if steps[i, t]:
+        expected[i, t] = math.exp(sum(logp[i, j] for j in range(l) if loss[i, j] and turn[i, j] == t))
+  np.testing.assert_allclose(horizon.step_probabilities(logp, turn, loss, steps), expected)
+
+
+def test_summarize_mean_and_std_over_seeds():
+  rows = []
+  for seed, final in enumerate([0.2, 0.4, 0.6]):
+    row = {k: 0.0 for k in horizon.RESULT_FIELDS}
+    row.update(env="pointer_chain", horizon=4, actions=5, algorithm="grpo", seed=seed,
+               final_success=final, gain=final - 0.1)
+    rows.append(row)
+  (entry,) = horizon.summarize(rows)
+  assert entry["seeds"] == 3
+  assert entry["final_success"] == pytest.approx(0.4)
+  assert entry["final_success_std"] == pytest.approx(0.2)  # sample std of 0.2, 0.4, 0.6
+  assert entry["gain"] == pytest.approx(0.3)
+  assert "| pointer_chain | 4 | 5 | grpo | 3 |" in horizon.markdown_table([entry])
+
+
+def test_actions_needed_and_unknown_env():
+  assert horizon.actions_needed("pointer_chain", 8) == 9
+  assert horizon.actions_needed("gridworld", 8) == 8
+  with pytest.raises(ValueError, match="pointer_chain and gridworld"):
+    horizon.actions_needed("retail", 4)
+  with pytest.raises(ValueError, match="unknown algorithm label"):
+    horizon.cell_config(_config("smoke"), "gridworld", 2, "ppo_vtrace", 0)
+
+
+@pytest.mark.parametrize("env_name,n", [("pointer_chain", 16), ("gridworld", 8), ("gridworld", 2)])
+def test_cpu_budgets_hold_an_oracle_episode_of_exactly_the_horizon(env_name, n):
+  """The step limit and context budget of the CPU sweep's longest cells fit the oracle's
+  episodes, and every task needs exactly N moves (gridworld) or N hops (pointer_chain)."""
+  from longhorizon import rollout
+  from longhorizon.train import config as config_lib
+  from longhorizon.train import loop
+  config = horizon.cell_config(_config("cpu"), env_name, n, "grpo", 0)
+  env = loop.make_env(config)
+  codec = env.codec(None, config.env.style)
+  tasks = jax.vmap(lambda k: env.generate_task(k, "test"))(jax.random.split(jax.random.key(3), 16))
+  assert np.all(np.asarray(jax.vmap(env.task_difficulty)(tasks)) == n)
+  batch, _ = rollout.collect(None, None, env, codec, tasks, jax.random.split(jax.random.key(4), 16),
+                             config_lib.rollout_config(config, group_size=1), sampling_seed=0,
+                             scripted=rollout.oracle_turns(env, codec, 0.0))
+  assert np.all(batch.success) and not np.any(batch.truncated)
+  assert np.all(np.asarray(batch.num_steps) == horizon.actions_needed(env_name, n))
+
+
+def test_smoke_sweep_writes_results_and_resumes(tmp_path):
+  config = _config("smoke")
+  cells = [horizon.Cell("pointer_chain", 2, 0)]
+  lines = []
+  rows = horizon.run_sweep(config, cells, ["grpo", "gigpo"], str(tmp_path), log=lines.append)
+  assert [r["algorithm"] for r in rows] == ["grpo", "gigpo"]
+  for row in rows:
+    assert row["episodes"] == config.num_updates * config.rollout.num_tasks * config.rollout.group_size
+    assert row["tokens"] > row["episodes"] * 10
+    assert 0.0 <= row["final_step_accuracy"] <= 1.0
+    assert row["final_predicted"] == pytest.approx(row["final_step_accuracy"] ** 3, rel=1e-5)
+    assert row["mean_task_length"] == 2
+  # Both algorithms start from the same warm start.
+  assert rows[0]["warm_success"] == rows[1]["warm_success"]
+  _, curves = horizon.read_results(str(tmp_path))
+  assert len(curves) == 2 * config.num_updates
+  # A rerun skips the finished cell.
+  lines.clear()
+  horizon.run_sweep(config, cells, ["grpo", "gigpo"], str(tmp_path), log=lines.append)
+  assert any("already in results.csv" in line for line in lines)
+  assert len(horizon.read_results(str(tmp_path))[0]) == 2
+  paths = horizon.plot_all(str(tmp_path))
+  for path in paths.values():
+    assert os.path.getsize(path) > 5000
+  assert "| pointer_chain | 2 | 3 | grpo | 1 |" in (tmp_path / "summary.md").read_text()
