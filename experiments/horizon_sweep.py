@@ -41,8 +41,9 @@ def cells_of(config, only_env=()):
   if unknown:
     raise app.UsageError(f"--only_env={','.join(only_env)}: {unknown} not in the sweep ({envs}).")
   envs = [e for e in envs if not only_env or e in only_env]
+  # Seed-major: an interrupted sweep has every cell at fewer seeds rather than some cells at none.
   return [horizon.Cell(env, int(n), int(seed))
-          for env in envs for n in sweep[env] for seed in sweep.seeds]
+          for seed in sweep.seeds for env in envs for n in sweep[env]]
 
 
 def main(argv):
