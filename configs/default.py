@@ -55,7 +55,7 @@ def get_config(arg=None):
 
   # Rollouts.
   config.rollout = ml_collections.ConfigDict()
-  config.rollout.mode = "sync"  # sync | async
+  config.rollout.mode = "sync"  # sync | async (actor threads generate while the learner trains)
   config.rollout.num_tasks = 16  # tasks per update
   config.rollout.group_size = 8  # rollouts per task (GRPO/RLOO/GiGPO groups)
   config.rollout.context_length = 160  # token budget per episode
@@ -63,6 +63,16 @@ def get_config(arg=None):
   config.rollout.temperature = 1.0
   config.rollout.top_k = 0
   config.rollout.top_p = 1.0
+  # Asynchronous rollouts (mode = async; ignored by sync). An actor starts a batch only if it will
+  # be at most max_staleness policy versions old when the learner takes it (0: exactly the sync
+  # run); episodes that still arrive older (several actors finishing out of order) are dropped or
+  # down-weighted by stale_weight ** (lag - max_staleness).
+  config.rollout.max_staleness = 1  # in policy versions (updates)
+  config.rollout.num_actors = 1  # actor threads (overlap tool latency; share the device)
+  config.rollout.queue_size = 2  # finished batches waiting for the learner (actors block when full)
+  config.rollout.stale_policy = "drop"  # drop | downweight
+  config.rollout.stale_weight = 0.5  # downweight factor per version past max_staleness
+  config.rollout.continue_partial = False  # True is rejected: not implemented (BUILD_NOTES)
 
   # Reward composition.
   config.reward = ml_collections.ConfigDict()
@@ -84,6 +94,10 @@ def get_config(arg=None):
   config.algorithm.kl_kind = "k3"  # k1 | k2 | k3
   config.algorithm.entropy_coef = 0.0
   config.algorithm.tis_threshold = 0.0  # 0 -> off; else truncated IS cap on behaviour log-probs
+  # Off-policy correction: decoupled = PPO clip against the proximal (pre-update) policy times
+  # min(pi_prox / pi_behaviour, tis_threshold); tis = truncated-IS policy gradient against the
+  # behaviour policy (no proximal pass; needs tis_threshold > 0). See train/update.py.
+  config.algorithm.off_policy = "decoupled"  # decoupled | tis
   config.algorithm.gamma = 1.0
   config.algorithm.lam = 0.95
   config.algorithm.advantage = "gae"  # ppo: gae | length_adaptive_gae

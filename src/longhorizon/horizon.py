@@ -328,11 +328,11 @@ def markdown_table(summary: Sequence[dict]) -> str:
   return "\n".join(lines)
 
 
-def _plt():
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  return plt
+def _subplots(rows: int, cols: int, figsize):
+  """A pyplot-free figure (no global backend switch, so notebooks keep their inline plots)."""
+  from matplotlib.figure import Figure
+  fig = Figure(figsize=figsize)
+  return fig, fig.subplots(rows, cols, squeeze=False)
 
 
 def _colors(labels):
@@ -345,11 +345,10 @@ def _colors(labels):
 def plot_success_vs_horizon(rows: Sequence[dict], path: str) -> str:
   """Final sampled success (mean +- std over seeds) versus horizon per algorithm, per env, with the
   warm start and each algorithm's independent-steps prediction p^H (dotted)."""
-  plt = _plt()
   summary = summarize(rows)
   env_names = sorted({e["env"] for e in summary})
   colors = _colors({e["algorithm"] for e in summary})
-  fig, axes = plt.subplots(1, len(env_names), figsize=(6 * len(env_names), 4.2), squeeze=False)
+  fig, axes = _subplots(1, len(env_names), (6 * len(env_names), 4.2))
   for ax, env in zip(axes[0], env_names):
     entries = [e for e in summary if e["env"] == env]
     for label in dict.fromkeys(e["algorithm"] for e in entries):
@@ -372,19 +371,16 @@ def plot_success_vs_horizon(rows: Sequence[dict], path: str) -> str:
     ax.legend(fontsize=8, loc="lower left")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
-  plt.close(fig)
   return path
 
 
 def plot_learning_curves(curves: Sequence[dict], path: str, smooth: int = 3) -> str:
   """Training success per update (mean over seeds, moving average of `smooth`), one panel per
   `(env, horizon)`."""
-  plt = _plt()
   panels = sorted({(c["env"], c["horizon"]) for c in curves})
   cols = max(len({h for _, h in panels}), 1)
   env_names = sorted({e for e, _ in panels})
-  fig, axes = plt.subplots(len(env_names), cols, figsize=(3.4 * cols, 2.8 * len(env_names)),
-                           squeeze=False)
+  fig, axes = _subplots(len(env_names), cols, (3.4 * cols, 2.8 * len(env_names)))
   colors = _colors({c["algorithm"] for c in curves})
   for r, env in enumerate(env_names):
     horizons = sorted({h for e, h in panels if e == env})
@@ -414,17 +410,15 @@ def plot_learning_curves(curves: Sequence[dict], path: str, smooth: int = 3) -> 
   axes[0][0].legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
-  plt.close(fig)
   return path
 
 
 def plot_sample_efficiency(rows: Sequence[dict], path: str) -> str:
   """Success gained per 1k episodes and per 1M tokens versus horizon, per env and algorithm."""
-  plt = _plt()
   summary = summarize(rows)
   env_names = sorted({e["env"] for e in summary})
   colors = _colors({e["algorithm"] for e in summary})
-  fig, axes = plt.subplots(2, len(env_names), figsize=(6 * len(env_names), 7), squeeze=False)
+  fig, axes = _subplots(2, len(env_names), (6 * len(env_names), 7))
   for col, env in enumerate(env_names):
     entries = [e for e in summary if e["env"] == env]
     for row, (key, name) in enumerate((("gain_per_1k_episodes", "success gained / 1k episodes"),
@@ -445,7 +439,6 @@ def plot_sample_efficiency(rows: Sequence[dict], path: str) -> str:
   axes[0][0].legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
-  plt.close(fig)
   return path
 
 

@@ -749,3 +749,66 @@ def test_truncated_is_weights_traced_once(assert_no_retrace, level):
              jnp.asarray(rng.integers(0, 2, size=(3, 8)), jnp.int32)),
             {"level": level, "threshold": c}) for c in (2.0, 3.5, 10.0)]
   assert_no_retrace(losses.truncated_is_weights, *calls)
+
+
+# ----------------------------------------------------------------------------------------------------
+# truncated_is_policy_loss (behaviour-anchored truncated IS policy gradient)
+
+# Hand case: behaviour 0, rho = [0.5, 1.0, 3.0, 100 (masked)], A = [1, -1, 2, 1], C = 2:
+#   values -A min(rho, C): [-0.5, 1.0, -4.0]; token-mean -3.5 / 3 = -1.1666667;
+#   gradient d/dlogp = -A min(rho, C) / 3: [-0.5, 1.0, -4.0] / 3 (the truncated token keeps C A).
+
+
+def test_truncated_is_policy_loss_by_hand():
+  logp = np.log(np.array([[0.5, 1.0, 3.0, 100.0]])).astype(np.float32)
+  behavior = np.zeros((1, 4), np.float32)
+  adv = np.array([[1.0, -1.0, 2.0, 1.0]], np.float32)
+  mask = np.array([[1, 1, 1, 0]], np.int32)
+  f = lambda lp: losses.truncated_is_policy_loss(lp, behavior, adv, mask, threshold=2.0)
+  loss, m = f(logp)
+  np.testing.assert_allclose(loss, -3.5 / 3, rtol=1e-6)
+  np.testing.assert_allclose(m["clipfrac"], 1 / 3, rtol=1e-6)  # the rho = 3 token is truncated
+  np.testing.assert_allclose(m["ratio_mean"], 4.5 / 3, rtol=1e-6)
+  np.testing.assert_allclose(m["ratio_max"], 3.0, rtol=1e-6)
+  grad = jax.grad(lambda lp: f(lp)[0])(jnp.asarray(logp))
+  np.testing.assert_allclose(grad, [[-0.5 / 3, 1.0 / 3, -4.0 / 3, 0.0]], rtol=1e-6)
+
+
+def ref_truncated_is_policy_loss(logp, behavior, adv, mask, threshold, agg):
+  b, t = logp.shape
+  per_token, dloss, rho = (np.zeros((b, t)) for _ in range(3))
+  for i in range(b):
+    for j in range(t):
+      r = math.exp(clamp(float(logp[i, j]) - float(behavior[i, j]), -20.0, 20.0))
+      rho[i, j] = r
+      per_token[i, j] = -float(adv[i, j]) * min(r, threshold)
+      dloss[i, j] = per_token[i, j]  # d/dlogp of -A w exp(logp - sg(logp)) with w detached
+  loss = ref_aggregate(per_token, mask, agg)
+  grad = ref_aggregate_weights(mask, agg) * dloss
+  metrics = {"clipfrac": ref_masked_mean(rho > threshold, mask),
+             "approx_kl": ref_masked_mean(behavior.astype(np.float64) - logp, mask),
+             "ratio_mean": ref_masked_mean(rho, mask), **ref_quantiles(rho, mask)}
+  return loss, metrics, grad
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("agg", MODES)
+def test_truncated_is_policy_loss_matches_reference(seed, agg):
+  logp, behavior, adv, mask, _ = random_policy_case(seed + 30)
+  loss, metrics = losses.truncated_is_policy_loss(logp, behavior, adv, mask, threshold=1.5, agg=agg)
+  want_loss, want_metrics, want_grad = ref_truncated_is_policy_loss(logp, behavior, adv, mask, 1.5,
+                                                                    agg)
+  np.testing.assert_allclose(loss, want_loss, **TOL)
+  assert_metrics(metrics, want_metrics)
+  assert 0.0 < float(metrics["clipfrac"]) < 1.0  # both truncated and untruncated tokens
+  grad = jax.grad(lambda lp: losses.truncated_is_policy_loss(lp, behavior, adv, mask, threshold=1.5,
+                                                             agg=agg)[0])(jnp.asarray(logp))
+  np.testing.assert_allclose(grad, want_grad, **TOL)
+
+
+def test_truncated_is_policy_loss_on_policy_is_reinforce():
+  """With logp == behaviour, the gradient is the policy gradient -A grad logp (aggregated)."""
+  logp, _, adv, mask, _ = random_policy_case(40)
+  grad = jax.grad(lambda lp: losses.truncated_is_policy_loss(
+      lp, jax.lax.stop_gradient(lp), adv, mask, threshold=2.0)[0])(jnp.asarray(logp))
+  np.testing.assert_allclose(grad, -adv * ref_aggregate_weights(mask, "token-mean"), **TOL)

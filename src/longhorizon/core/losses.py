@@ -22,6 +22,7 @@ __all__ = [
     "aggregate",
     "policy_loss",
     "gspo_loss",
+    "truncated_is_policy_loss",
     "kl",
     "value_loss",
     "truncated_is_weights",
@@ -297,6 +298,64 @@ def gspo_loss(logp: chex.Array,
   return _clipped_surrogate(log_ratio, advantages, mask, clip_low=clip_low, clip_high=clip_high,
                             dual_clip=None, is_weights=is_weights, agg=agg,
                             norm_constant=norm_constant, extra_metrics=extra)
+
+
+@functools.partial(jax.jit, static_argnames=("agg",))
+def truncated_is_policy_loss(logp: chex.Array,
+                             behavior_logp: chex.Array,
+                             advantages: chex.Array,
+                             mask: chex.Array,
+                             *,
+                             threshold=2.0,
+                             agg: str = "token-mean",
+                             norm_constant=None):
+  """Truncated importance-sampled policy gradient against the behaviour policy (no proximal policy,
+  no PPO clip): the policy-gradient term of V-trace (Espeholt et al. 2018, "IMPALA", with
+  `rho_bar = C`), as used for stale samples in asynchronous RL.
+
+      rho_t = exp(clip(logp_t - behavior_logp_t, -20, 20))
+      l_t   = -A_t * min(rho_t, C) * exp(logp_t - sg[logp_t])     (value -A_t min(rho_t, C))
+      loss  = aggregate(l, mask, agg)
+
+  The gradient is `-min(rho_t, C) A_t grad logp_t`: the importance weight is detached and truncated
+  at `C`, so a token the current policy already likes far more than the behaviour policy did keeps
+  a bounded push (unlike `min(rho, C)` itself, whose gradient vanishes past `C`). On-policy
+  (`logp == behavior_logp`) it is REINFORCE with the given advantages.
+
+  Args:
+    logp: `[B, T]` log-probs under the current parameters.
+    behavior_logp: `[B, T]` log-probs the sampler recorded (the behaviour policy).
+    advantages: `[B, T]` per-token (or `[B]` per-row) advantages.
+    mask: `[B, T]` 1 on policy tokens.
+    threshold: truncation constant `C > 0`.
+    agg: aggregation mode (static), see `aggregate`.
+    norm_constant: constant for `seq-mean-token-sum-norm`.
+
+  Returns:
+    `(loss, metrics)` with the keys of `policy_loss`: `clipfrac` is the share of truncated tokens
+    (`rho > C`), `clipfrac_lower` 0, `approx_kl` / `approx_kl_k3` and the ratio statistics are of
+    `rho` (current against behaviour).
+  """
+  logp, behavior_logp, advantages, mask = map(jnp.asarray, (logp, behavior_logp, advantages, mask))
+  _check_policy_inputs(logp, behavior_logp, advantages, mask, None, None)
+  logp, behavior_logp, advantages = _f32(logp), _f32(behavior_logp), _f32(advantages)
+  if advantages.ndim == 1:
+    advantages = jnp.broadcast_to(advantages[:, None], logp.shape)
+  log_ratio = logp - behavior_logp
+  rho = jnp.exp(jnp.clip(log_ratio, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+  weight = jax.lax.stop_gradient(jnp.minimum(rho, _f32(threshold)))
+  per_token = -advantages * weight * jnp.exp(logp - jax.lax.stop_gradient(logp))
+  loss = _aggregator(agg)(per_token, mask, norm_constant)
+  metrics = {
+      "clipfrac": masked_mean(rho > threshold, mask),
+      "clipfrac_lower": jnp.zeros((), _F32),
+      "ratio_mean": masked_mean(rho, mask),
+      **_masked_quantiles(rho, mask, (("ratio_min", 0.0), ("ratio_q05", 0.05), ("ratio_q50", 0.5),
+                                      ("ratio_q95", 0.95), ("ratio_max", 1.0))),
+      "approx_kl": masked_mean(-log_ratio, mask),
+      "approx_kl_k3": masked_mean(kl(behavior_logp, logp, "k3"), mask),
+  }
+  return loss, {k: _f32(v) for k, v in metrics.items()}
 
 
 # ----------------------------------------------------------------------------------------------------

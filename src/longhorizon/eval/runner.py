@@ -62,6 +62,9 @@ def evaluate(env, codec, tasks: Any, *, attempts: int, rollout_config: rollout.R
     policy: "model", "oracle" or "random".
     params, model_config: the policy (for "model").
     seed: evaluation seed (environment keys and sampling).
+
+  In a multi-host JAX run, call it on every process: the `T` tasks (a multiple of the number of
+  processes) are split over them, and every process returns the report of all of them.
   """
   import dataclasses
   if policy not in ("model",) + BASELINES:
@@ -75,8 +78,9 @@ def evaluate(env, codec, tasks: Any, *, attempts: int, rollout_config: rollout.R
   if policy in BASELINES:
     scripted = rollout.oracle_turns(env, codec, epsilon=1.0 if policy == "random" else 0.0,
                                     seed=seed)
-  batch, stats = rollout.collect(params, model_config, env, codec, tasks, keys, rc,
-                                 sampling_seed=seed, reward=reward, scripted=scripted)
+  batch, stats = rollout.collect_across_processes(params, model_config, env, codec, tasks, keys, rc,
+                                                  sampling_seed=seed, reward=reward,
+                                                  scripted=scripted)
   records = records_from_rollout(batch, stats, attempts)
   report = metrics_lib.report(records, k_max=attempts, milestone_names=env.milestone_names)
   return report, records

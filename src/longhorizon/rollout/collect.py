@@ -113,8 +113,9 @@ def _pad_rows(rows: list[list[int]], width: int) -> tuple[np.ndarray, np.ndarray
 def collect(params, model_config: ModelConfig, env: Environment, codec, tasks: Any,
             env_keys: jax.Array, config: RolloutConfig, *, sampling_seed: int,
             reward: RewardConfig | None = None, policy_version: int = 0, task_seed: int = 0,
-            group_offset: int = 0, env_version: int = 1, reward_version: int = 1,
-            scripted=None) -> tuple[EpisodeBatch, RolloutStats]:
+            group_offset: int = 0, row_offset: int = 0, env_version: int = 1,
+            reward_version: int = 1, scripted=None,
+            on_env_step=None) -> tuple[EpisodeBatch, RolloutStats]:
   """Runs `N` tasks x `G` rollouts and returns `(EpisodeBatch [N*G], RolloutStats)`.
 
   Args:
@@ -126,13 +127,19 @@ def collect(params, model_config: ModelConfig, env: Environment, codec, tasks: A
     env_keys: `[N]` PRNG keys of the environment's own randomness; the `G` rollouts of a task share
       its key (and its task), so they differ only by the policy's samples.
     config: `RolloutConfig`.
-    sampling_seed: seed of the policy's sampling; row `r` samples with `fold_in(key(seed), r)`.
+    sampling_seed: seed of the policy's sampling; row `r` samples with
+      `fold_in(key(seed), row_offset + r)`.
     reward: how step rewards and the episode score are composed (default `RewardConfig()`).
     policy_version, env_version, reward_version, task_seed: recorded on every row.
     group_offset: added to the task index to form `group` labels (unique across batches).
+    row_offset: index of this batch's first row in a larger batch it is a slice of (the share of
+      one process, `rollout.multihost`): its rows then sample exactly as those rows of the whole.
     scripted: optional host function `(states) -> list of [B] token-id lists` that replaces the
       policy (e.g. `oracle_turns(env, codec)` for SFT data): its ids are written as the turns, with
       loss_mask 1 and behaviour log-prob 0; no model runs (`params` and `model_config` may be None).
+    on_env_step: optional host function `(t, active)` called after every batched env step `t` with
+      the `[B]` bool rows that stepped; its time counts as environment time (the async benchmark
+      sleeps there to simulate tool latency).
   """
   reward = reward or RewardConfig()
   stats = RolloutStats()
@@ -179,7 +186,7 @@ def collect(params, model_config: ModelConfig, env: Environment, codec, tasks: A
     cache, last_logits = sampler.prefill(decode_params, model_config, prompt_tokens,
                                          prompt_lengths, length)
   stats.generation_s += time.perf_counter() - start
-  row_keys = sampler.per_row_keys(sampling_seed, np.arange(b))
+  row_keys = sampler.per_row_keys(sampling_seed, row_offset + np.arange(b))
 
   done = np.zeros((b,), bool)
   kind = np.zeros((b,), np.int32)
@@ -238,6 +245,8 @@ def collect(params, model_config: ModelConfig, env: Environment, codec, tasks: A
     start = time.perf_counter()
     states, timesteps = step_fn(states, batch_action)
     ts = to_numpy(timesteps)
+    if on_env_step is not None:
+      on_env_step(t, active)
     stats.env_s += time.perf_counter() - start
     stats.env_steps += int(active.sum())
 

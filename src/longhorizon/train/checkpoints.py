@@ -27,10 +27,15 @@ Saving is asynchronous: `save` returns once the arrays are copied to host memory
 donate or overwrite `state` right after), and the files are written in a background thread. `wait()`
 blocks until they are; `restore` and `close` wait by themselves.
 
-Multi-host: create the Checkpointer and call `save`, `restore`, `wait` and `close` on every process
-with the same arguments, with `directory` on a file system all processes see. Orbax writes each
-process's shards, lets process 0 alone create, commit, rename and delete folders and write the JSON
-items (so `meta` must be the same on every process), and synchronises the processes around it.
+Multi-host: create the Checkpointer and call `latest_step`, `save`, `restore`, `wait` and `close` on
+every process with the same arguments, with `directory` on a file system all processes see. Orbax
+writes each process's shards, lets process 0 alone create, commit, rename and delete folders and
+write the JSON items (so `meta` must be the same on every process), and synchronises the processes
+around it. `latest_step` answers process 0's view on every process, and `restore()` checks that all
+processes restored the same step, so they resume together. Process-local arrays (a training loop
+that keeps the same parameters on every process, each on its own devices) are saved as global
+arrays replicated across the processes (orbax refuses process-local ones), written once, and
+restore into the template's process-local placement.
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 __all__ = ["Checkpointer"]
 
@@ -141,6 +147,43 @@ def _abstract(template):
   return jax.tree.map(leaf, template)
 
 
+# --------------------------------------------------------------------------------------- multi-host
+
+def _replicated_across_processes(x):
+  """A process-local `jax.Array` as a global array replicated over the processes (else `x`).
+
+  Every process must hold the same values in the same local layout (one device, or a NamedSharding
+  over a mesh of its own devices); that layout is repeated on each process along a new leading mesh
+  axis, which the spec leaves replicated, so orbax writes the array once.
+  """
+  if jax.process_count() == 1 or not isinstance(x, jax.Array) or not x.is_fully_addressable:
+    return x
+  sharding = x.sharding
+  if isinstance(sharding, SingleDeviceSharding):
+    local, names, spec = np.array(list(sharding.device_set)), ("local",), PartitionSpec()
+  elif isinstance(sharding, NamedSharding):
+    local, names, spec = sharding.mesh.devices, sharding.mesh.axis_names, sharding.spec
+  else:
+    raise ValueError(f"cannot save a process-local array with {sharding!r} in a multi-host run; "
+                     f"place it with a NamedSharding or on one device.")
+  position = {d: i for i, d in enumerate(jax.local_devices())}
+  positions = np.vectorize(position.__getitem__, otypes=[int])(local)
+  by_process = [np.array([d for d in jax.devices() if d.process_index == p], dtype=object)
+                for p in range(jax.process_count())]
+  mesh = Mesh(np.stack([devices[positions] for devices in by_process]), ("processes", *names))
+  return jax.make_array_from_single_device_arrays(
+      x.shape, NamedSharding(mesh, spec, memory_kind=sharding.memory_kind),
+      [shard.data for shard in x.addressable_shards])
+
+
+def _process_zero_step(step: int | None) -> int | None:
+  """Process 0's `step` on every process (a file-system view may lag on the others)."""
+  if jax.process_count() == 1:
+    return step
+  step = int(multihost_utils.broadcast_one_to_all(np.int32(-1 if step is None else step)))
+  return None if step < 0 else step
+
+
 # --------------------------------------------------------------------------------------------- meta
 
 def _to_json(value, where: str):
@@ -212,9 +255,11 @@ class Checkpointer:
     return step in self._saved_steps or (self.directory / str(step) / _COMMIT_FILE).exists()
 
   def latest_step(self) -> int | None:
-    """The newest committed step (it may still turn out damaged; `restore` then falls back)."""
+    """The newest committed step (it may still turn out damaged; `restore` then falls back).
+
+    Multi-host: process 0's answer, on every process (call it on all of them)."""
     steps = [s for s in self._manager.all_steps() if self._is_committed(s)]
-    return max(steps) if steps else None
+    return _process_zero_step(max(steps) if steps else None)
 
   # -------------------------------------------------------------------------------------- saving
 
@@ -248,6 +293,7 @@ class Checkpointer:
     meta = _to_json(dict(meta), "meta")
     self._delete_bad_steps(step)
     data, keys = _split_keys(state)
+    data = jax.tree.map(_replicated_across_processes, data)
     args = ocp.args.Composite(**{_STATE: ocp.args.StandardSave(data),
                                  _META: ocp.args.JsonSave(meta),
                                  _KEYS: ocp.args.JsonSave({"keys": keys})})
@@ -334,6 +380,10 @@ class Checkpointer:
         self._bad_steps.add(s)
         errors.append((s, e))
         continue
+      if jax.process_count() > 1:
+        multihost_utils.assert_equal(
+            np.int32(s), f"processes restored different checkpoint steps from {self.directory} "
+            f"(this one: {s}); is the directory on a file system every process sees?")
       self.restored_step = s
       return state, meta
     summary = "; ".join(f"step {s}: {_describe(e)}" for s, e in errors)

@@ -24,6 +24,8 @@ __all__ = ["validate", "algorithm_options", "loss_options", "rollout_config", "r
 _CHOICES = {
     "env.style": STYLES,
     "rollout.mode": ("sync", "async"),
+    "rollout.stale_policy": ("drop", "downweight"),
+    "algorithm.off_policy": ("decoupled", "tis"),
     "algorithm.kl_kind": ("k1", "k2", "k3"),
     "algorithm.advantage": ("gae", "length_adaptive_gae"),
     "optim.schedule": ("constant", "cosine", "linear"),
@@ -34,11 +36,12 @@ _POSITIVE_INTS = ("env.max_steps", "rollout.num_tasks", "rollout.group_size", "r
                   "eval.num_tasks", "tasks.train_size", "tasks.test_size", "tasks.ood_size",
                   "checkpoint_every", "keep_checkpoints", "mesh.data", "mesh.fsdp", "mesh.tensor",
                   "model.hidden_size", "model.num_hidden_layers", "model.num_attention_heads",
-                  "model.num_key_value_heads", "model.intermediate_size")
+                  "model.num_key_value_heads", "model.intermediate_size", "rollout.num_actors",
+                  "rollout.queue_size")
 _NON_NEGATIVE = ("num_updates", "curriculum.num_buckets", "curriculum.floor", "curriculum.alpha", "sft.steps", "sft.episodes", "eval.every", "algorithm.kl_coef",
                  "algorithm.entropy_coef", "algorithm.tis_threshold", "optim.warmup_steps",
                  "optim.weight_decay", "env.loop_k", "rollout.top_k", "algorithm.clip_low",
-                 "algorithm.clip_high", "algorithm.value_coef")
+                 "algorithm.clip_high", "algorithm.value_coef", "rollout.max_staleness")
 
 
 def _get(config, path: str) -> Any:
@@ -62,9 +65,9 @@ _REALS = ("rollout.temperature", "rollout.top_p", "reward.success", "reward.mile
           "optim.learning_rate", "optim.critic_learning_rate", "optim.weight_decay",
           "optim.max_grad_norm", "sft.learning_rate", "sft.demo_epsilon", "curriculum.alpha",
           "curriculum.floor", "curriculum.ema", "alarm.min_entropy",
-          "alarm.max_zero_advantage_rate", "alarm.success_ceiling")
+          "alarm.max_zero_advantage_rate", "alarm.success_ceiling", "rollout.stale_weight")
 _BOOLS = ("algorithm.gspo", "algorithm.normalize_std", "algorithm.filter_zero_std", "tensorboard",
-          "progress")
+          "progress", "rollout.continue_partial")
 
 
 def _check_types(config):
@@ -79,7 +82,8 @@ def _check_types(config):
       _fail(path, value, "True or False")
   for path in _POSITIVE_INTS + ("num_updates", "sft.steps", "sft.episodes", "eval.every",
                                 "optim.warmup_steps", "env.loop_k", "rollout.top_k", "seed",
-                                "tasks.seed", "curriculum.num_buckets", "env.max_steps"):
+                                "tasks.seed", "curriculum.num_buckets", "env.max_steps",
+                                "rollout.max_staleness"):
     value = _get(config, path)
     if isinstance(value, bool) or not isinstance(value, int):
       _fail(path, value, "an integer")
@@ -150,7 +154,31 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _fail("sft.demo_epsilon", config.sft.demo_epsilon, "a probability in [0, 1]")
   if config.eval.split not in ("test", "ood", "train"):
     _fail("eval.split", config.eval.split, "one of ['test', 'ood', 'train']")
+  _check_off_policy(config)
   return config
+
+
+def _check_off_policy(config):
+  """The asynchronous-rollout fields (`rollout.max_staleness`, ...) and `algorithm.off_policy`."""
+  r, a = config.rollout, config.algorithm
+  if not 0 < r.stale_weight <= 1:
+    _fail("rollout.stale_weight", r.stale_weight, "a factor in (0, 1] (per version past "
+          "rollout.max_staleness, for rollout.stale_policy='downweight')")
+  if r.continue_partial:
+    _fail("rollout.continue_partial", r.continue_partial,
+          "False: continuing partial episodes across a weight update is not implemented (every "
+          "episode is sampled by one policy version; see BUILD_NOTES.md, issue 7)")
+  if a.off_policy == "tis":
+    if not a.tis_threshold > 0:
+      _fail("algorithm.tis_threshold", a.tis_threshold,
+            "a truncation constant > 0 (e.g. 2.0) with algorithm.off_policy='tis'")
+    if a.gspo:
+      _fail("algorithm.off_policy", a.off_policy,
+            "'decoupled' with algorithm.gspo=True (the truncated-IS loss is token-level)")
+  if r.mode == "async" and config.curriculum.num_buckets:
+    _fail("curriculum.num_buckets", config.curriculum.num_buckets,
+          "0 with rollout.mode='async' (the curriculum draws tasks from the learner's latest "
+          "success estimates, which the actors run ahead of)")
 
 
 def algorithm_options(config) -> AlgorithmOptions:
@@ -165,7 +193,8 @@ def loss_options(config) -> LossOptions:
   return LossOptions(clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip or None,
                      agg=a.agg or ALGORITHMS[a.name].default_agg, gspo=a.gspo, kl_coef=a.kl_coef,
                      kl_kind=a.kl_kind, entropy_coef=a.entropy_coef,
-                     tis_threshold=a.tis_threshold or None, value_coef=a.value_coef,
+                     tis_threshold=a.tis_threshold or None, off_policy=a.off_policy,
+                     value_coef=a.value_coef,
                      temperature=config.rollout.temperature, epochs=o.epochs,
                      minibatches=o.minibatches)
 

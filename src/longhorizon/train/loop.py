@@ -13,6 +13,20 @@ Phases (each resumable from `workdir`):
 
 Determinism: every random stream of update `u` is derived from `(config.seed, u)` and the
 checkpointed state, so a run killed and resumed reproduces the uninterrupted run's metrics.
+
+Asynchronous rollouts (`config.rollout.mode='async'`): actor threads run `collect_batch` with
+published copies of the parameters while the learner runs `learn_from_batch` (see
+`train/async_rollout.py`: bounded queue, `max_staleness`, per-update `async/*` metrics); with
+`max_staleness=0` the run equals the synchronous one.
+
+Multi-host (`jax.distributed.initialize` called first, this function run on every process): each
+process collects its share of an update's tasks and of the evaluation tasks
+(`rollout.collect_across_processes`, which gathers the episodes back), so every process trains on
+the same batch and keeps the same parameters, and the run gives the single-process run's numbers.
+The SFT warm start (scripted, cheap) runs whole on every process. A `config.mesh` of more than one
+device is built from each process's own devices. Only process 0 writes files besides the
+checkpoints (which every process writes together, see `Checkpointer`); process 0 also generates
+missing task files while the others wait.
 """
 
 from __future__ import annotations
@@ -93,6 +107,18 @@ def make_env(config) -> envs.Environment:
   return env
 
 
+def check_process_split(config, eval_size: int, process_count: int | None = None):
+  """Multi-host runs split each update's tasks, and the `eval_size` evaluation tasks, evenly
+  over the processes: raises a ValueError naming the field when they cannot be."""
+  count = jax.process_count() if process_count is None else process_count
+  for field, n in (("rollout.num_tasks", config.rollout.num_tasks), ("eval.num_tasks", eval_size)):
+    if n % count:
+      raise ValueError(
+          f"config.{field}={n} cannot be split evenly over {count} JAX processes (each collects "
+          f"an equal share of the tasks); use a multiple of {count}, e.g. "
+          f"--config.{field}={-(-n // count) * count}.")
+
+
 def setup(config) -> Setup:
   config_lib.validate(config)
   env = make_env(config)
@@ -115,8 +141,17 @@ def setup(config) -> Setup:
   data_dir = config.tasks.data_dir or None
   load = functools.partial(task_suites.load, config.env.name, env_params=dict(config.env.params),
                            seed=config.tasks.seed, sizes=sizes, data_dir=data_dir)
+  if jax.process_count() > 1:
+    # Task files are generated on first use: process 0 writes them while the others wait.
+    if jax.process_index() == 0:
+      task_suites.build(config.env.name, dict(config.env.params), config.tasks.seed, sizes,
+                        data_dir)
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("longhorizon.setup.task_suites")
   train_tasks = load("train")
   eval_tasks = {split: load(split) for split in ("test", "ood")}
+  eval_source = eval_tasks.get(config.eval.split, train_tasks)
+  check_process_split(config, min(config.eval.num_tasks, len(eval_source)))
   o = config.optim
   optimizer = make_optimizer(o.learning_rate, warmup_steps=o.warmup_steps,
                              total_steps=max(config.num_updates * o.epochs * o.minibatches, 1),
@@ -131,7 +166,9 @@ def setup(config) -> Setup:
     # model width, tensor the heads / MLP / vocabulary; jit propagates the shardings through the
     # rollout and the update.
     from longhorizon.models import Transformer, sharding
-    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    # Each process's own devices: in a multi-host run the parameters are replicated across hosts.
+    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor,
+                              devices=jax.local_devices())
     params = sharding.shard_params(params, Transformer(model_config), jnp.zeros((1, 1), jnp.int32),
                                    mesh)
   return Setup(config, env, codec, model_config, params, train_tasks, eval_tasks, optimizer,
@@ -168,8 +205,9 @@ def evaluate_policy(s: Setup, params, split: str, num_tasks: int, *, temperature
   tasks = task_suites.stack(source, range(n))
   keys = jax.random.split(_key(seed, 7), n)
   rc = config_lib.rollout_config(s.config, group_size=group_size, temperature=temperature)
-  batch, _ = rollout.collect(params, s.model_config, s.env, s.codec, tasks, keys, rc,
-                             sampling_seed=seed, reward=config_lib.reward_config(s.config))
+  batch, _ = rollout.collect_across_processes(params, s.model_config, s.env, s.codec, tasks, keys,
+                                              rc, sampling_seed=seed,
+                                              reward=config_lib.reward_config(s.config))
   return {"success_rate": float(np.mean(batch.success)),
           "mean_steps": float(np.mean(batch.num_steps)),
           "truncation_rate": float(np.mean(batch.truncated)),
@@ -247,9 +285,23 @@ _critic_values = jax.jit(critic_values, static_argnames=("config",))
 
 def rl_step(s: Setup, state: TrainState, update: int, data_position: int, timer: Timer,
             hook=None, task_indices=None):
-  """One RL update: rollouts, advantages, jitted update. Returns `(state, metrics)`.
+  """One synchronous RL update: rollouts with the current parameters (`collect_batch`), then
+  advantages and the jitted update (`learn_from_batch`). Returns `(state, metrics)`."""
+  batch, stats = collect_batch(s, state.params, update, data_position, timer, task_indices)
+  if hook is not None:
+    hook("update", update)
+  return learn_from_batch(s, state, batch, stats, timer)
 
-  Tasks are the next `num_tasks` train tasks from `data_position`, or `task_indices` (curriculum)."""
+
+def collect_batch(s: Setup, params, update: int, data_position: int, timer: Timer,
+                  task_indices=None, *, policy_version: int | None = None, on_env_step=None):
+  """The rollout half of RL update `update`: `(EpisodeBatch, RolloutStats)` sampled with `params`.
+
+  Tasks are the next `num_tasks` train tasks from `data_position`, or `task_indices` (curriculum).
+  In a multi-host run each process collects its share of them and all update on the whole batch.
+  Environment keys, sampling seed and group labels derive from `update`; `policy_version` (default
+  `update`) is recorded on every episode. `on_env_step` is passed to `rollout.collect`. The async
+  actors (`train/async_rollout.py`) call it from their threads with a copy of the parameters."""
   c = s.config
   n = c.rollout.num_tasks
   if task_indices is None:
@@ -257,22 +309,41 @@ def rl_step(s: Setup, state: TrainState, update: int, data_position: int, timer:
   else:
     tasks = task_suites.stack(s.train_tasks, task_indices)
   env_keys = jax.random.split(_key(c.seed, 5, update), n)
+  extra = {} if on_env_step is None else {"on_env_step": on_env_step}
   with timer("rollout"):
-    batch, stats = rollout.collect(
-        state.params, s.model_config, s.env, s.codec, tasks, env_keys,
+    batch, stats = rollout.collect_across_processes(
+        params, s.model_config, s.env, s.codec, tasks, env_keys,
         config_lib.rollout_config(c), sampling_seed=c.seed * 1_000_003 + update,
-        reward=config_lib.reward_config(c), policy_version=update, task_seed=c.tasks.seed,
-        group_offset=update * n)
-  if hook is not None:
-    hook("update", update)
+        reward=config_lib.reward_config(c),
+        policy_version=update if policy_version is None else policy_version,
+        task_seed=c.tasks.seed, group_offset=update * n, **extra)
+  return batch, stats
+
+
+def learn_from_batch(s: Setup, state: TrainState, batch, stats, timer: Timer, row_scale=None):
+  """The learning half of an RL update: advantages and the jitted update on `batch` (from
+  `collect_batch`). Returns `(state, metrics)`; `state` is donated.
+
+  `row_scale` (`[B]`, optional) multiplies the algorithm's row weights: the async learner's
+  staleness filter (0 drops an episode, < 1 down-weights it). The clipping anchor `old_logp` is
+  the proximal policy (`state.params` before the update) for `algorithm.off_policy='decoupled'`,
+  the behaviour log-probs for `'tis'` (no proximal pass)."""
+  c = s.config
+  n = c.rollout.num_tasks
   with timer("update"):
     db = to_device(batch)
     options = config_lib.loss_options(c)
-    old_logp = _logprobs(state.params, db, config=s.model_config, temperature=options.temperature)
+    if options.off_policy == "tis":
+      old_logp = db.behavior_logprobs
+    else:
+      old_logp = _logprobs(state.params, db, config=s.model_config,
+                           temperature=options.temperature)
     values = None
     if s.critic_optimizer is not None:
       values = _critic_values(state.critic_params, s.model_config, db)
     adv = algorithms.compute_advantages(c.algorithm.name, db, values, config_lib.algorithm_options(c))
+    if row_scale is not None:
+      adv = adv._replace(row_weight=adv.row_weight * jnp.asarray(row_scale, adv.row_weight.dtype))
     ref_logp = None
     if state.ref_params is not None:
       ref_logp = _logprobs(state.ref_params, db, config=s.model_config,
@@ -397,6 +468,14 @@ def _train_and_evaluate(s: Setup, config, workdir: str, *, hook=None) -> dict:
   skipped_before = int(jax.device_get(state.skipped))
   param_bytes = params_bytes_per_device(state.params)
   curriculum, buckets = make_curriculum(s, meta.get("curriculum"))
+  pipeline = None
+  if config.rollout.mode == "async" and start < config.num_updates:
+    # Actor threads sample with published copies of the parameters (train/async_rollout.py); a
+    # resumed run restarts them from the checkpointed parameters at the checkpointed batch.
+    from longhorizon.train.async_rollout import AsyncRollouts
+    pipeline = AsyncRollouts(s, state.params, version=start,
+                             first_batch=int(meta.get("next_batch", start)),
+                             data_position=data_position, last_update=config.num_updates).start()
   for update in range(start, config.num_updates):
     timer.reset()
     started = time.perf_counter()
@@ -407,13 +486,19 @@ def _train_and_evaluate(s: Setup, config, workdir: str, *, hook=None) -> dict:
       task_indices, task_buckets, curriculum.cursor = draw_tasks(
           curriculum, buckets, np.random.default_rng([config.seed, update]),
           config.rollout.num_tasks, curriculum.cursor)
-    state, metrics = rl_step(s, state, update, data_position, timer, hook, task_indices)
+    if pipeline is None:
+      state, metrics = rl_step(s, state, update, data_position, timer, hook, task_indices)
+    else:
+      state, metrics = pipeline.step(state, update, timer, hook)
     task_success = metrics.pop("_task_success")
     if curriculum is not None:
       curriculum.update(task_buckets, task_success)
       metrics.update(curriculum.metrics())
       meta = dict(meta, curriculum=curriculum.state_dict())
-    data_position += config.rollout.num_tasks
+    if pipeline is None:
+      data_position += config.rollout.num_tasks
+    else:
+      data_position = pipeline.data_position  # after the newest batch taken (dropped ones too)
     metrics.update(timer.split())
     metrics["update_s"] = time.perf_counter() - started
     metrics["params/bytes_per_device"] = param_bytes
@@ -431,11 +516,14 @@ def _train_and_evaluate(s: Setup, config, workdir: str, *, hook=None) -> dict:
         metrics[f"eval/{k}"] = v
     writer.write(update + 1, metrics)
     progress.update(1, success=metrics["success_rate"], loss=metrics["loss"])
-    meta = dict(meta, update=update + 1, data_position=data_position)
+    meta = dict(meta, update=update + 1, data_position=data_position,
+                next_batch=update + 1 if pipeline is None else pipeline.next_batch)
     if (update + 1) % config.checkpoint_every == 0 or update + 1 == config.num_updates:
       checkpointer.save(update + 1, state, meta)
       hook("checkpoint", update)
       checkpointer.wait()  # the next update donates the state's buffers; finish reading them first
+  if pipeline is not None:
+    pipeline.close()
   progress.close()
   checkpointer.wait()
   writer.close()
@@ -463,12 +551,11 @@ def _train_and_evaluate(s: Setup, config, workdir: str, *, hook=None) -> dict:
 
 def plot_learning_curve(workdir: str, result: dict) -> str:
   """`learning_curve.png`: training success per update, warm-start and final evaluations."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  from matplotlib.figure import Figure  # pyplot-free: no global backend switch (notebooks)
   from longhorizon.train.metrics import read_metrics
   rows = read_metrics(os.path.join(workdir, "metrics.jsonl"))
-  fig, ax = plt.subplots(figsize=(6, 4))
+  fig = Figure(figsize=(6, 4))
+  ax = fig.subplots()
   if rows:
     ax.plot([r["update"] for r in rows], [r["success_rate"] for r in rows], label="train rollouts")
   ax.axhline(result["warm_start_success_rate"], color="gray", ls="--", label="warm start (eval)")
@@ -481,5 +568,4 @@ def plot_learning_curve(workdir: str, result: dict) -> str:
   path = os.path.join(workdir, "learning_curve.png")
   fig.tight_layout()
   fig.savefig(path, dpi=100)
-  plt.close(fig)
   return path

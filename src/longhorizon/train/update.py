@@ -17,6 +17,17 @@ KL) times the algorithm's row weights (env-error episodes and filtered groups ar
 `old_logp` is the pre-update policy's log-prob (recomputed by the learner); `is_weights` is the
 truncated importance weight `min(exp(old_logp - behavior_logp), C)` when `tis_threshold` is set,
 correcting sampler/learner mismatch and staleness.
+
+Off-policy correction (`LossOptions.off_policy`, for stale batches of asynchronous rollouts):
+
+- `decoupled` (default): decoupled PPO (Hilton et al. 2022, "Batch size-invariance for policy
+  optimization"; AReaL, Fu et al. 2025): the trust region is measured against the proximal policy,
+  the learner's parameters before this update (`old_logp`), and the behaviour-to-proximal
+  correction is the truncated weight `min(pi_prox / pi_behav, C)` above, multiplying the loss
+  (`tis_threshold = 0` leaves it out: the synchronous setting, where the two policies agree).
+- `tis`: no proximal policy: `old_logp` is the behaviour log-probs and the loss is
+  `losses.truncated_is_policy_loss` (V-trace's truncated-IS policy gradient, `C = tis_threshold`);
+  the learner skips the proximal forward pass.
 """
 
 from __future__ import annotations
@@ -66,6 +77,7 @@ class LossOptions:
   kl_kind: str = "k3"
   entropy_coef: float = 0.0
   tis_threshold: float | None = None  # truncated IS on behaviour log-probs (None: off)
+  off_policy: str = "decoupled"  # decoupled (clip vs proximal, IS weight) | tis (see module doc)
   value_coef: float = 0.5
   value_clip: float | None = 0.2
   temperature: float = 1.0  # the sampling temperature: log-probs are of the sampled distribution
@@ -74,10 +86,14 @@ class LossOptions:
   chunk_size: int = 4096  # vocabulary chunk of the fused log-prob kernel
 
 
+@functools.lru_cache(maxsize=64)
 def make_optimizer(learning_rate: float, *, warmup_steps: int = 0, total_steps: int = 1,
                    schedule: str = "constant", max_grad_norm: float | None = 1.0,
                    weight_decay: float = 0.0, b1: float = 0.9, b2: float = 0.999) -> optax.GradientTransformation:
-  """AdamW with global-norm clipping and a warmup + constant/cosine/linear schedule."""
+  """AdamW with global-norm clipping and a warmup + constant/cosine/linear schedule.
+
+  Cached: equal settings return the same (stateless) object, so the jitted updates, which take
+  the optimiser as a static argument, compile once per setting rather than once per run."""
   if schedule == "constant":
     decay = optax.constant_schedule(learning_rate)
   elif schedule == "cosine":
@@ -151,7 +167,9 @@ def rl_update(state: TrainState, batch: EpisodeBatch, advantages, returns, row_w
     state: `TrainState` (donated).
     batch: the `EpisodeBatch` (device arrays).
     advantages: `[B, L]` float32. returns: `[B, L]` value targets or None. row_weight: `[B]`.
-    old_logp: `[B, L]` pre-update log-probs. ref_logp: `[B, L]` reference log-probs or None.
+    old_logp: `[B, L]` pre-update (proximal) log-probs; with `options.off_policy == "tis"` the
+      behaviour log-probs (the anchor of the truncated-IS loss). ref_logp: `[B, L]` reference
+      log-probs or None.
     old_values: `[B, L]` critic values at rollout time or None.
   """
   b = batch.tokens.shape[0]
@@ -165,8 +183,14 @@ def rl_update(state: TrainState, batch: EpisodeBatch, advantages, returns, row_w
   old_logp = jnp.where(on, old_logp, 0.0)
   if ref_logp is not None:
     ref_logp = jnp.where(on, ref_logp, 0.0)
+  if options.off_policy not in ("decoupled", "tis"):
+    raise ValueError(f"LossOptions.off_policy must be 'decoupled' or 'tis', got "
+                     f"{options.off_policy!r}.")
+  if options.off_policy == "tis" and (options.tis_threshold is None or options.gspo):
+    raise ValueError("LossOptions.off_policy='tis' needs tis_threshold (the truncation C) and "
+                     "gspo=False.")
   is_weights = None
-  if options.tis_threshold is not None:
+  if options.tis_threshold is not None and options.off_policy == "decoupled":
     is_weights = losses.truncated_is_weights(old_logp, batch.behavior_logprobs, mask,
                                              threshold=options.tis_threshold)
   data = dict(batch=batch, adv=advantages, mask=mask, old_logp=old_logp, ref_logp=ref_logp,
@@ -175,7 +199,11 @@ def rl_update(state: TrainState, batch: EpisodeBatch, advantages, returns, row_w
   def policy_loss_fn(params, mb):
     logp, ent = episode_logprobs(params, config, mb["batch"], temperature=options.temperature,
                                  chunk_size=options.chunk_size, return_entropy=True)
-    if options.gspo:
+    if options.off_policy == "tis":
+      loss, metrics = losses.truncated_is_policy_loss(logp, mb["old_logp"], mb["adv"], mb["mask"],
+                                                      threshold=options.tis_threshold,
+                                                      agg=options.agg)
+    elif options.gspo:
       loss, metrics = losses.gspo_loss(logp, mb["old_logp"], mb["adv"], mb["mask"],
                                        clip_low=options.gspo_clip_low,
                                        clip_high=options.gspo_clip_high, agg=options.agg,
@@ -234,6 +262,11 @@ def rl_update(state: TrainState, batch: EpisodeBatch, advantages, returns, row_w
   state, metrics = jax.lax.scan(minibatch_step, state, order)
   metrics = jax.tree.map(jnp.mean, metrics)
   metrics["skipped_updates"] = state.skipped
+  if is_weights is not None:
+    metrics["is_weight_mean"] = losses.masked_mean(is_weights, mask)
+    metrics["is_truncated_frac"] = losses.masked_mean(
+        jnp.exp(jnp.clip(old_logp - batch.behavior_logprobs, -20.0, 20.0)) > options.tis_threshold,
+        mask)
   return state.replace(rng=rng, policy_version=state.policy_version + 1), metrics
 
 

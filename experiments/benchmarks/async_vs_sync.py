@@ -1,0 +1,223 @@
+r"""Throughput of asynchronous against synchronous rollouts under heavy-tailed tool latency, in one run.
+
+    python experiments/benchmarks/async_vs_sync.py [--updates=10] [--modes=sync,async:1:1,...]
+        [--latency=lognormal|pareto] [--latency_ms=40] [--latency_shape=1.0]
+        [--out=results/async_vs_sync.json] [--config=configs/default.py:smoke] [--config.x=...]
+
+Setup: the config's environment, model and update (default `configs/default.py:smoke`: pointer
+chain, the 2-layer d=128 decoder, 4 tasks x 4 rollouts, 2 epochs x 2 minibatches; no SFT warm
+start, and a 0.1 penalty per invalid action, so rewards vary within groups and every update
+moves the parameters, i.e. stale batches really are off-policy). Everything is compiled first by
+untimed synchronous updates on other batches.
+
+Tool latency: after every batched environment step, every row that stepped draws a latency
+(`lognormal`: median `latency_ms`, log-sd `latency_shape`; `pareto`: minimum `latency_ms`, tail
+index `latency_shape`) and the batch sleeps for the largest (a batched tool call waits for its
+slowest call). Draws are seeded by (batch index, step), so every mode meets the same latencies.
+
+Modes (`--modes`), each from the same initial parameters for `--updates` updates of batches
+0, 1, ...: `sync` (`loop.rl_step`: sample, then learn) and `async:A:S` (`AsyncRollouts` with `A`
+actor threads and `max_staleness` `S`, drop policy). Measured per mode: wall time, trained
+episodes/s and updates/s, speed-up over `sync`, mean and max policy lag, dropped-episode rate,
+learner idle share (waiting for a batch; for sync, the rollout share) and actor idle share (actors
+waiting for admission or queue space; for sync, the update share). Prints one table; `--out`
+writes the rows as JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+
+from absl import app
+from absl import flags
+from absl import logging
+import jax
+import jax.numpy as jnp
+from ml_collections import config_flags
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+import results_io  # noqa: E402
+from longhorizon.train import loop  # noqa: E402
+from longhorizon.train.async_rollout import AsyncRollouts  # noqa: E402
+from longhorizon.train.metrics import Timer  # noqa: E402
+
+_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", os.path.join(_ROOT, "configs", "default.py") + ":smoke",
+    "Training config whose environment, model and update are measured.")
+_OUT = flags.DEFINE_string("out", None, "Optional JSON path for the result rows.")
+_UPDATES = flags.DEFINE_integer("updates", 10, "Timed updates per mode.")
+_WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed sync updates first (compilation).")
+_MODES = flags.DEFINE_list("modes", ["sync", "async:1:1", "async:2:2", "async:4:4"],
+                           "sync, or async:ACTORS:MAX_STALENESS.")
+_LATENCY = flags.DEFINE_enum("latency", "lognormal", ["lognormal", "pareto", "none"],
+                             "Per-call tool latency distribution.")
+_LATENCY_MS = flags.DEFINE_float("latency_ms", 40.0,
+                                 "lognormal: median; pareto: minimum (milliseconds).")
+_LATENCY_SHAPE = flags.DEFINE_float("latency_shape", 1.0,
+                                    "lognormal: sigma of log-latency; pareto: tail index alpha.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the latency draws.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Latency:
+  """Simulated tool latency of a batched env step: the slowest of the rows' calls."""
+  kind: str = "lognormal"
+  ms: float = 40.0
+  shape: float = 1.0
+  seed: int = 0
+
+  def draw(self, index: int, step: int, calls: int) -> float:
+    """Seconds the batch `index` waits at env step `step` with `calls` rows calling."""
+    if self.kind == "none" or calls == 0:
+      return 0.0
+    rng = np.random.default_rng([self.seed, index, step])
+    if self.kind == "lognormal":
+      per_call = rng.lognormal(np.log(self.ms), self.shape, calls)
+    else:
+      per_call = self.ms * (1.0 + rng.pareto(self.shape, calls))
+    return float(per_call.max()) / 1000.0
+
+  def hook(self, index: int):
+    """Batch `index`'s `on_env_step` for `rollout.collect`: sleeps its draw."""
+    return lambda t, active: time.sleep(self.draw(index, t, int(np.sum(active))))
+
+
+def parse_mode(mode: str) -> tuple[str, int, int]:
+  """`'sync'` -> ('sync', 1, 0); `'async:A:S'` -> ('async', A, S)."""
+  parts = mode.split(":")
+  if parts == ["sync"]:
+    return "sync", 1, 0
+  if len(parts) == 3 and parts[0] == "async" and parts[1].isdigit() and parts[2].isdigit():
+    if int(parts[1]) < 1:
+      raise ValueError(f"--modes: {mode!r} needs at least one actor.")
+    return "async", int(parts[1]), int(parts[2])
+  raise ValueError(f"--modes: {mode!r} is neither 'sync' nor 'async:ACTORS:MAX_STALENESS'.")
+
+
+def _fresh_state(s, host_state):
+  return jax.tree.map(jnp.array, host_state)  # new device buffers (the update donates them)
+
+
+def run_sync(s, host_state, updates: int, latency: Latency) -> dict:
+  state = _fresh_state(s, host_state)
+  n = s.config.rollout.num_tasks
+  rollout_s = update_s = 0.0
+  start = time.perf_counter()
+  for u in range(updates):
+    timer = Timer()
+    batch, stats = loop.collect_batch(s, state.params, u, u * n, timer,
+                                      on_env_step=latency.hook(u))
+    state, metrics = loop.learn_from_batch(s, state, batch, stats, timer)
+    split = timer.split()
+    rollout_s += split["time/rollout"]
+    update_s += split["time/update"]
+  wall = time.perf_counter() - start
+  return {"wall_s": wall, "lag_mean": 0.0, "lag_max": 0.0, "dropped_episode_rate": 0.0,
+          "learner_idle_frac": rollout_s / wall, "actor_idle_frac": update_s / wall,
+          "final_loss": metrics["loss"]}
+
+
+def run_async(s, host_state, updates: int, latency: Latency, actors: int, staleness: int) -> dict:
+  config = s.config.copy_and_resolve_references()
+  config.unlock()
+  config.rollout.mode = "async"
+  config.rollout.num_actors = actors
+  config.rollout.max_staleness = staleness
+  config.rollout.queue_size = max(staleness, 1) + actors
+  config.lock()
+  s = dataclasses.replace(s, config=config)
+  state = _fresh_state(s, host_state)
+  rows = []
+  start = time.perf_counter()
+  pipeline = AsyncRollouts(s, state.params, version=0, first_batch=0, data_position=0,
+                           last_update=updates, env_step_hook=latency.hook).start()
+  try:
+    for u in range(updates):
+      state, metrics = pipeline.step(state, u, Timer())
+      rows.append(metrics)
+    wall = time.perf_counter() - start
+  finally:
+    pipeline.close()
+  total = lambda k: float(sum(r[k] for r in rows))
+  received = total("async/lag_count/stale") + sum(
+      total(f"async/lag_count/{i}") for i in range(staleness + 1))
+  idle, busy = total("async/actor_idle_s"), total("async/actor_busy_s")
+  return {"wall_s": wall,
+          "lag_mean": float(np.mean([r["async/lag_mean"] for r in rows])),
+          "lag_max": max(r["async/lag_max"] for r in rows),
+          "dropped_episode_rate": total("async/dropped_episodes") / max(received, 1),
+          "learner_idle_frac": total("async/learner_idle_s") / wall,
+          "actor_idle_frac": idle / max(idle + busy, 1e-9),
+          "final_loss": rows[-1]["loss"]}
+
+
+def print_table(rows):
+  header = (f"{'mode':<14} {'actors':>6} {'stale':>5} {'wall s':>8} {'episodes/s':>10} "
+            f"{'updates/s':>9} {'speed-up':>8} {'lag mean':>8} {'lag max':>7} {'dropped':>7} "
+            f"{'learner idle':>12} {'actor idle':>10}")
+  print(header)
+  print("-" * len(header))
+  for r in rows:
+    print(f"{r['mode']:<14} {r['actors']:>6} {r['max_staleness']:>5} {r['wall_s']:>8.1f} "
+          f"{r['episodes_per_s']:>10.2f} {r['updates_per_s']:>9.3f} {r['speedup']:>7.2f}x "
+          f"{r['lag_mean']:>8.2f} {r['lag_max']:>7.0f} {r['dropped_episode_rate']:>7.2f} "
+          f"{r['learner_idle_frac']:>12.2f} {r['actor_idle_frac']:>10.2f}")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  modes = [parse_mode(m) for m in _MODES.value]
+  config = _CONFIG.value.copy_and_resolve_references()
+  config.unlock()
+  config.sft.steps = 0  # throughput only: no warm start
+  config.reward.invalid = 0.1  # rewards vary within groups: every update moves the parameters
+  config.rollout.mode = "sync"
+  config.tensorboard = config.progress = False
+  config.lock()
+  logging.info("devices: %s", jax.devices())
+  s = loop.setup(config)
+  latency = Latency(_LATENCY.value, _LATENCY_MS.value, _LATENCY_SHAPE.value, _SEED.value)
+  with loop.in_mesh(s):
+    host_state = jax.device_get(loop.initial_state(s))
+    state = _fresh_state(s, host_state)
+    n = config.rollout.num_tasks
+    for u in range(_WARMUP.value):  # compile sampler buckets and the update (batches 10^6 + u)
+      state, _ = loop.rl_step(s, state, 10**6 + u, (10**6 + u) * n, Timer())
+    jax.block_until_ready(jax.tree.map(jnp.copy, state.params))  # the publishing copy, compiled
+    rows = []
+    episodes = config.rollout.num_tasks * config.rollout.group_size
+    for name, actors, staleness in modes:
+      logging.info("mode %s (actors %d, max_staleness %d)", name, actors, staleness)
+      if name == "sync":
+        result = run_sync(s, host_state, _UPDATES.value, latency)
+      else:
+        result = run_async(s, host_state, _UPDATES.value, latency, actors, staleness)
+      result.update(mode=name if name == "sync" else f"async:{actors}:{staleness}",
+                    actors=actors, max_staleness=staleness,
+                    updates_per_s=_UPDATES.value / result["wall_s"],
+                    episodes_per_s=_UPDATES.value * episodes / result["wall_s"])
+      rows.append(result)
+  base = next((r for r in rows if r["mode"] == "sync"), rows[0])
+  for r in rows:
+    r["speedup"] = r["updates_per_s"] / base["updates_per_s"]
+  print(f"async vs sync: {config.env.name}, {config.rollout.num_tasks} tasks x "
+        f"{config.rollout.group_size} rollouts per update, {_UPDATES.value} updates per mode; "
+        f"tool latency {latency.kind} ({latency.ms:g} ms, shape {latency.shape:g}), the batch "
+        f"waits for its slowest call")
+  print_table(rows)
+  if _OUT.value:
+    settings = {"updates": _UPDATES.value, "latency": dataclasses.asdict(latency),
+                "env": config.env.name, "num_tasks": config.rollout.num_tasks,
+                "group_size": config.rollout.group_size, "episodes_per_update": episodes}
+    out = results_io.write_json(_OUT.value, {"settings": settings, "rows": rows})
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+  app.run(main)

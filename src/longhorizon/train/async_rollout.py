@@ -1,0 +1,340 @@
+"""Asynchronous rollouts (`config.rollout.mode = 'async'`): actor threads sample episodes with the
+newest published policy while the learner trains on earlier ones.
+
+    pipeline = AsyncRollouts(s, state.params, version=u0, first_batch=k0, data_position=p0,
+                             last_update=config.num_updates)
+    with pipeline:
+      for update in range(u0, config.num_updates):
+        state, metrics = pipeline.step(state, update, timer)   # wait, learn, publish
+
+Pieces (host threads around the same jitted sampler and update as the synchronous loop):
+
+- **Parameter store.** After every update the learner publishes a *copy* of its parameters with
+  their version (`publish`); `rl_update` donates the `TrainState`, so an actor must never hold the
+  learner's live buffers. Actors read the newest (params, version) when they start a batch.
+- **Actors** (`rollout.num_actors` threads). An actor takes the next batch index `k`; batch `k`
+  has exactly the tasks, environment keys, sampling seed and group labels of synchronous update
+  `k` (`loop.collect_batch`), is sampled with the newest parameters (version `v`, recorded on every
+  episode as `policy_version`, with the sampler's per-token `behavior_logprobs`) and is put into a
+  bounded FIFO queue of `rollout.queue_size` finished batches (a full queue blocks the actor).
+- **Admission (staleness control before sampling).** An actor starts a batch only if, taken in
+  order, it will be at most `max_staleness` versions old when the learner trains on it:
+  `taken + pending - v <= max_staleness`, where `taken` counts the batches the learner has taken
+  for updates (its version once it finishes them), `pending` the batches started and not yet
+  taken. With `max_staleness = 0` an actor samples batch `u` with version `u` after the learner has
+  published it: the synchronous run, exactly (same seeds, same parameters, same metrics).
+- **Filter (staleness control after sampling).** The learner at version `u` takes the oldest
+  finished batch; an episode's lag is `u - policy_version`. Lags above `max_staleness` happen when
+  several actors finish out of order (a batch slowed by tool latency arrives after later ones);
+  such episodes are dropped (`stale_policy='drop'`: row weight 0; a batch dropped entirely is
+  discarded and the learner takes the next) or down-weighted by
+  `stale_weight ** (lag - max_staleness)` (`'downweight'`).
+- **Off-policy correction** is the loss's (`algorithm.off_policy`, `train/update.py`): decoupled
+  PPO with the proximal policy (the learner's parameters before the update) and the truncated
+  weight `min(pi_prox / pi_behaviour, tis_threshold)`, or the truncated-IS policy gradient against
+  the behaviour log-probs.
+
+Every episode is sampled by one policy version: continuing partial episodes across a weight
+update (per-token versions) is not implemented; `rollout.continue_partial=True` is rejected by the
+config validation.
+
+Metrics of each update (`async/*`, merged into the update's `metrics.jsonl` line), over the batches
+the learner took since the previous update (the trained one and any dropped before it):
+`lag_mean`, `lag_max`, `lag_count/<i>` for lags `0..max_staleness` and `lag_count/stale` above it
+(episode counts), `dropped_episodes`, `dropped_episode_rate`, `dropped_episodes_total`,
+`weight_mean` (mean staleness weight of the trained rows), `queue_age_s` (mean time finished batches
+waited in the queue), `batch_age_s` (from the trained batch's sampling start to its use),
+`queue_length` (finished batches left waiting), `learner_idle_s` (the learner waiting for a batch),
+`actor_idle_s` / `actor_busy_s` / `actor_idle_frac` (actor threads waiting for admission or queue
+space / sampling, summed over actors, since the previous update), `rollout_s` (the trained batch's
+sampling wall time) and `behavior_version`.
+
+Checkpoints: the learner's state and, in the meta, `data_position` and `next_batch` (the batch
+index after the newest batch taken). Resuming restarts the actors from the checkpointed parameters
+at `next_batch`; batches that were queued or being sampled when the run stopped are discarded and
+sampled again (with the checkpointed parameters, so with `max_staleness > 0` a resumed run is not
+bit-identical to an uninterrupted one; with 0 it is).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from typing import Any, Callable
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from longhorizon.train.metrics import Timer
+
+__all__ = ["AsyncRollouts", "staleness_weights", "lag_metrics"]
+
+_JOIN_TIMEOUT_S = 600.0
+
+
+def staleness_weights(lag, max_staleness: int, policy: str, stale_weight: float) -> np.ndarray:
+  """`[B]` float32 row weights of episodes `lag` versions old (`lag` `[B]` int).
+
+      w = 1                                          lag <= max_staleness
+      w = 0                                          lag >  max_staleness, policy 'drop'
+      w = stale_weight ** (lag - max_staleness)      lag >  max_staleness, policy 'downweight'
+  """
+  lag = np.asarray(lag)
+  if lag.ndim != 1:
+    raise ValueError(f"lag must be a [B] array, got shape {lag.shape}.")
+  if policy not in ("drop", "downweight"):
+    raise ValueError(f"stale_policy must be 'drop' or 'downweight', got {policy!r}.")
+  over = np.maximum(lag - max_staleness, 0)
+  if policy == "drop":
+    return (over == 0).astype(np.float32)
+  return np.power(np.float32(stale_weight), over).astype(np.float32)
+
+
+def lag_metrics(lags, max_staleness: int) -> dict:
+  """Mean / max lag and episode counts per lag `0..max_staleness` and above (`stale`)."""
+  lags = np.concatenate([np.asarray(x).reshape(-1) for x in lags]) if len(lags) else np.zeros(0)
+  out = {"async/lag_mean": float(lags.mean()) if lags.size else 0.0,
+         "async/lag_max": float(lags.max()) if lags.size else 0.0}
+  for i in range(max_staleness + 1):
+    out[f"async/lag_count/{i}"] = float(np.sum(lags == i))
+  out["async/lag_count/stale"] = float(np.sum(lags > max_staleness))
+  return out
+
+
+def _copy(params):
+  """A copy of `params` in new buffers (the learner's are donated to the next update)."""
+  return jax.block_until_ready(jax.tree.map(jnp.copy, params))
+
+
+@dataclasses.dataclass
+class _Item:
+  """A finished batch in the queue."""
+  index: int  # batch index k: tasks, seeds and group labels of synchronous update k
+  version: int  # the policy version that sampled it
+  batch: Any  # EpisodeBatch (host arrays)
+  stats: Any  # RolloutStats
+  actor: int
+  started: float  # clock at the start of sampling
+  rollout_s: float  # sampling wall time
+  ready: float = 0.0  # clock when it entered the queue
+
+
+class AsyncRollouts:
+  """Actor threads, the versioned parameter store, the bounded queue and the staleness filter.
+
+  Args:
+    s: the run's `loop.Setup` (config, environment, codec, tasks, model).
+    params: the parameters of version `version` (copied; the caller keeps its own).
+    version: the learner's policy version (RL updates applied) at the start.
+    first_batch: index of the first batch to sample (seeds and group labels of that sync update).
+    data_position: train-task position of batch `first_batch` (batch `k` starts at
+      `data_position + (k - first_batch) * num_tasks`).
+    last_update: no batch is started that would be taken at update `last_update` or later (so
+      actors do not sample past the end of training), unless drops call for a replacement.
+    env_step_hook: optional `k -> on_env_step` giving batch `k`'s host hook for `rollout.collect`
+      (the benchmark's simulated tool latency).
+    clock: seconds, monotonic (tests may pass a fake one).
+  """
+
+  def __init__(self, s, params, *, version: int, first_batch: int, data_position: int,
+               last_update: int | None = None,
+               env_step_hook: Callable[[int], Callable | None] | None = None,
+               clock: Callable[[], float] = time.perf_counter):
+    r = s.config.rollout
+    if jax.process_count() > 1:
+      raise ValueError("config.rollout.mode='async' runs in one JAX process; multi-host runs use "
+                       "rollout.mode='sync' (the actors' gathers would interleave with the "
+                       "learner's collectives).")
+    a = s.config.algorithm
+    if r.max_staleness > 0 and a.off_policy == "decoupled" and not a.tis_threshold:
+      logging.warning("async rollouts with max_staleness=%d and algorithm.tis_threshold=0: the "
+                      "decoupled loss clips against the proximal policy but does not reweight "
+                      "stale samples (set algorithm.tis_threshold, e.g. 2.0).", r.max_staleness)
+    self._s = s
+    self.max_staleness = int(r.max_staleness)
+    self.num_actors = int(r.num_actors)
+    self.queue_size = int(r.queue_size)
+    self.stale_policy = str(r.stale_policy)
+    self.stale_weight = float(r.stale_weight)
+    self._num_tasks = int(r.num_tasks)
+    self._last_update = last_update
+    self._env_step_hook = env_step_hook
+    self._clock = clock
+    self._cv = threading.Condition()
+    self._params, self._version = _copy(params), int(version)
+    self._taken = int(version)  # batches taken for updates (absolute: the updates begun)
+    self._pending = 0  # batches started and not yet taken (sampling or queued)
+    self._next_index = int(first_batch)
+    self._first_batch, self._first_position = int(first_batch), int(data_position)
+    self._queue: collections.deque[_Item] = collections.deque()
+    self._stop = False
+    self._error: tuple[int, BaseException] | None = None
+    self._threads: list[threading.Thread] = []
+    self._actor_idle = self._actor_busy = 0.0
+    self.dropped_total = 0
+    self.next_batch = int(first_batch)  # the batch after the newest one taken (checkpoint meta)
+    self.data_position = int(data_position)  # its train-task position (checkpoint meta)
+
+  # ------------------------------------------------------------------------------------ lifecycle
+
+  def start(self) -> "AsyncRollouts":
+    for i in range(self.num_actors):
+      thread = threading.Thread(target=self._actor, args=(i,), name=f"longhorizon-actor-{i}",
+                                daemon=True)
+      thread.start()
+      self._threads.append(thread)
+    return self
+
+  def close(self):
+    """Stops the actors (each finishes the batch it is sampling) and drops queued batches."""
+    with self._cv:
+      self._stop = True
+      self._queue.clear()
+      self._cv.notify_all()
+    for thread in self._threads:
+      thread.join(_JOIN_TIMEOUT_S)
+      if thread.is_alive():
+        logging.warning("async rollouts: %s did not stop within %.0f s", thread.name,
+                        _JOIN_TIMEOUT_S)
+    self._threads = []
+
+  def __enter__(self):
+    return self.start()
+
+  def __exit__(self, *exc):
+    self.close()
+
+  def position(self, index: int) -> int:
+    """Train-task position of batch `index`."""
+    return self._first_position + (index - self._first_batch) * self._num_tasks
+
+  # --------------------------------------------------------------------------------------- actors
+
+  def _admissible(self) -> bool:
+    expected_update = self._taken + self._pending  # when the learner would take a batch started now
+    if self._last_update is not None and expected_update >= self._last_update:
+      return False
+    return expected_update - self._version <= self.max_staleness
+
+  def _actor(self, actor: int):
+    from longhorizon.train import loop  # loop imports this module lazily
+    try:
+      with loop.in_mesh(self._s):
+        while True:
+          waited = self._clock()
+          with self._cv:
+            self._cv.wait_for(lambda: self._stop or self._admissible())
+            if self._stop:
+              return
+            index, self._next_index = self._next_index, self._next_index + 1
+            self._pending += 1
+            params, version = self._params, self._version
+            started = self._clock()
+            self._actor_idle += started - waited
+          hook = self._env_step_hook(index) if self._env_step_hook is not None else None
+          batch, stats = loop.collect_batch(self._s, params, index, self.position(index), Timer(),
+                                            policy_version=version, on_env_step=hook)
+          finished = self._clock()
+          item = _Item(index=index, version=version, batch=batch, stats=stats, actor=actor,
+                       started=started, rollout_s=finished - started)
+          with self._cv:
+            self._actor_busy += finished - started
+            self._cv.wait_for(lambda: self._stop or len(self._queue) < self.queue_size)
+            if self._stop:
+              return
+            item.ready = self._clock()
+            self._actor_idle += item.ready - finished
+            self._queue.append(item)
+            self._cv.notify_all()
+    except BaseException as e:  # noqa: BLE001  (handed to the learner, which raises it)
+      with self._cv:
+        self._error = (actor, e)
+        self._cv.notify_all()
+
+  # -------------------------------------------------------------------------------------- learner
+
+  def publish(self, params, version: int):
+    """Makes a copy of `params` the newest policy, `version` (the updates applied)."""
+    copy = _copy(params)
+    with self._cv:
+      self._params, self._version = copy, int(version)
+      self._cv.notify_all()
+
+  def take(self, update: int) -> tuple[_Item, np.ndarray, dict]:
+    """Waits for the next usable batch for update `update` (learner version `update`).
+
+    Returns `(item, row_scale [B], metrics)`; batches whose episodes are all dropped are discarded
+    on the way (and counted)."""
+    waited = self._clock()
+    lags, ages, received, dropped = [], [], 0, 0
+    while True:
+      with self._cv:
+        self._cv.wait_for(lambda: self._queue or self._error is not None or self._stop)
+        if self._error is not None:
+          actor, error = self._error
+          raise RuntimeError(f"async rollouts: actor {actor} failed: {error!r}") from error
+        if self._stop:
+          raise RuntimeError("async rollouts: take() called after close().")
+        # Popping and counting the take happen under one lock: an actor woken in between would
+        # see the batch neither pending nor taken and start one version too early.
+        item = self._queue.popleft()
+        lag = update - np.asarray(item.batch.policy_version, np.int64)
+        scale = staleness_weights(lag, self.max_staleness, self.stale_policy, self.stale_weight)
+        usable = bool(scale.any())
+        self._pending -= 1
+        if usable:
+          self._taken += 1
+          idle, busy = self._actor_idle, self._actor_busy
+          self._actor_idle = self._actor_busy = 0.0
+        queue_length = len(self._queue)
+        self._cv.notify_all()
+      taken = self._clock()
+      lags.append(lag)
+      ages.append(taken - item.ready)
+      received += lag.size
+      self.next_batch = max(self.next_batch, item.index + 1)
+      self.data_position = self.position(self.next_batch)
+      dropped += int(np.sum(scale == 0))
+      if usable:
+        break
+    self.dropped_total += dropped
+    metrics = lag_metrics(lags, self.max_staleness)
+    metrics.update({
+        "async/dropped_episodes": float(dropped),
+        "async/dropped_episode_rate": dropped / max(received, 1),
+        "async/dropped_episodes_total": float(self.dropped_total),
+        "async/weight_mean": float(scale.mean()),
+        "async/queue_age_s": float(np.mean(ages)),
+        "async/batch_age_s": taken - item.started,
+        "async/queue_length": float(queue_length),
+        "async/learner_idle_s": taken - waited,
+        "async/actor_idle_s": idle,
+        "async/actor_busy_s": busy,
+        "async/actor_idle_frac": idle / max(idle + busy, 1e-9),
+        "async/rollout_s": item.rollout_s,
+        "async/behavior_version": float(item.version),
+    })
+    return item, scale, metrics
+
+  def step(self, state, update: int, timer: Timer, hook=None):
+    """One asynchronous RL update: the next usable batch, `loop.learn_from_batch`, publish.
+
+    Returns `(state, metrics)` like `loop.rl_step` (plus the `async/*` metrics)."""
+    from longhorizon.train import loop
+    try:
+      item, scale, async_metrics = self.take(update)
+      if hook is not None:
+        hook("update", update)
+      row_scale = None if np.all(scale == 1) else scale
+      state, metrics = loop.learn_from_batch(self._s, state, item.batch, item.stats, timer,
+                                             row_scale=row_scale)
+      self.publish(state.params, update + 1)
+    except BaseException:
+      self.close()  # do not leave actors sampling for a learner that has stopped
+      raise
+    metrics.update(async_metrics)
+    return state, metrics

@@ -1,0 +1,61 @@
+"""The async-vs-sync throughput benchmark: its latency model and mode parsing, and a smoke run of the
+script end to end (output structure and internal consistency)."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).parents[2]
+SCRIPT = ROOT / "experiments" / "benchmarks" / "async_vs_sync.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import async_vs_sync  # noqa: E402  (a script beside results_io, not a package module)
+
+
+def test_latency_is_the_slowest_call_and_seeded_by_batch_and_step():
+  lat = async_vs_sync.Latency("lognormal", ms=40.0, shape=1.0, seed=3)
+  rng = np.random.default_rng([3, 7, 2])
+  np.testing.assert_allclose(lat.draw(7, 2, 16), rng.lognormal(np.log(40.0), 1.0, 16).max() / 1000)
+  assert lat.draw(7, 2, 16) == lat.draw(7, 2, 16) != lat.draw(7, 3, 16)
+  assert lat.draw(7, 2, 0) == 0.0  # no row stepped: no call
+  pareto = async_vs_sync.Latency("pareto", ms=10.0, shape=1.5)
+  draws = [pareto.draw(i, 0, 4) for i in range(200)]
+  assert min(draws) >= 0.010  # Pareto: never below the minimum
+  assert max(draws) > 5 * np.median(draws)  # heavy tail
+  assert async_vs_sync.Latency("none").draw(0, 0, 8) == 0.0
+
+
+def test_parse_mode():
+  assert async_vs_sync.parse_mode("sync") == ("sync", 1, 0)
+  assert async_vs_sync.parse_mode("async:2:3") == ("async", 2, 3)
+  for bad in ("async", "async:0:1", "async:1", "sync:1:1", "async:a:1"):
+    with pytest.raises(ValueError, match="--modes"):
+      async_vs_sync.parse_mode(bad)
+
+
+def test_smoke_run_writes_consistent_json(tmp_path):
+  out = tmp_path / "async_vs_sync.json"
+  result = subprocess.run(
+      [sys.executable, str(SCRIPT), "--updates=2", "--warmup=1", "--modes=sync,async:2:1",
+       "--latency_ms=5", f"--out={out}"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "episodes/s" in result.stdout and "async:2:1" in result.stdout
+  payload = json.loads(out.read_text())
+  assert payload["settings"]["updates"] == 2
+  assert payload["settings"]["latency"] == {"kind": "lognormal", "ms": 5.0, "shape": 1.0, "seed": 0}
+  sync, run = payload["rows"]
+  assert (sync["mode"], run["mode"], run["actors"], run["max_staleness"]) == (
+      "sync", "async:2:1", 2, 1)
+  assert sync["speedup"] == 1.0 and sync["lag_mean"] == 0.0
+  per_update = payload["settings"]["episodes_per_update"]
+  for r in (sync, run):
+    assert r["wall_s"] > 0 and np.isfinite(r["final_loss"])
+    np.testing.assert_allclose(r["updates_per_s"], 2 / r["wall_s"])
+    np.testing.assert_allclose(r["episodes_per_s"], r["updates_per_s"] * per_update)
+    assert 0 <= r["learner_idle_frac"] <= 1 and 0 <= r["actor_idle_frac"] <= 1
+    assert 0 <= r["dropped_episode_rate"] <= 1
+  np.testing.assert_allclose(run["speedup"], run["updates_per_s"] / sync["updates_per_s"])
+  assert 0 <= run["lag_mean"] <= run["lag_max"]
