@@ -366,6 +366,10 @@ out = sharding.with_rules(lambda: fwd(params, jax.device_put(tokens, sharding.ba
                                       lengths), mesh)
 diff = float(jnp.max(jnp.abs(out - ref)))
 per_device = params["embed_tokens"]["embedding"].addressable_shards[0].data.size
+placed = sharding.shard_batch({"tokens": tokens, "odd": np.zeros((3, 2)), "step": np.int32(1)}, mesh)
+assert placed["tokens"].sharding.spec[0] == ("data", "fsdp"), placed["tokens"].sharding
+assert placed["tokens"].addressable_shards[0].data.shape == (1, 12)  # 4 rows over 4 ways
+assert placed["odd"].sharding.spec[0] is None  # 3 rows do not split 4 ways: kept whole
 print("DIFF", diff, "SHARD", per_device, host["embed_tokens"]["embedding"].size)
 """
 

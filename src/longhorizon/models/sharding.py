@@ -13,11 +13,12 @@ from typing import Sequence
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 __all__ = ["MESH_AXES", "DEFAULT_RULES", "make_mesh", "logical_shardings", "param_shardings",
-           "init_sharded_params", "batch_sharding"]
+           "init_sharded_params", "batch_sharding", "shard_batch"]
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -104,6 +105,18 @@ def batch_sharding(mesh: Mesh, rank: int = 2, rules: Sequence = DEFAULT_RULES) -
   """Sharding of a `[B, ...]` batch array: the batch axis split per the `batch` rule."""
   axes = dict(_rules(rules)).get("batch")
   return NamedSharding(mesh, PartitionSpec(axes, *([None] * (rank - 1))))
+
+
+def shard_batch(batch, mesh: Mesh, rules: Sequence = DEFAULT_RULES):
+  """Places every `[B, ...]` array of a batch pytree (e.g. an `EpisodeBatch`) with its batch axis
+  split per the `batch` rule (unsharded where the mesh does not divide `B`); scalars replicated.
+  The jitted update then starts from data-parallel inputs instead of replicated ones."""
+  def place(x):
+    x = jnp.asarray(x)
+    if x.ndim == 0:
+      return jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
+    return jax.device_put(x, fit_sharding(batch_sharding(mesh, x.ndim, rules), x.shape))
+  return jax.tree.map(place, batch)
 
 
 def with_rules(fn, mesh: Mesh, rules: Sequence = DEFAULT_RULES):

@@ -332,6 +332,9 @@ def learn_from_batch(s: Setup, state: TrainState, batch, stats, timer: Timer, ro
   n = c.rollout.num_tasks
   with timer("update"):
     db = to_device(batch)
+    if s.mesh is not None:  # data-parallel inputs: rows split over (data, fsdp)
+      from longhorizon.models import sharding
+      db = sharding.shard_batch(db, s.mesh)
     options = config_lib.loss_options(c)
     if options.off_policy == "tis":
       old_logp = db.behavior_logprobs
