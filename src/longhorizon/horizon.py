@@ -87,27 +87,16 @@ def _env_settings(env_name: str, horizon: int) -> dict[str, Any]:
           "rollout.context_length": 48 + turn * (max_steps + 1)}
 
 
-def _set(config, path: str, value):
-  node = config
-  *parents, leaf = path.split(".")
-  for part in parents:
-    node = node[part]
-  if isinstance(value, dict):
-    import ml_collections
-    value = ml_collections.ConfigDict(value)
-  node[leaf] = value
-
-
 def cell_config(base, env_name: str, horizon: int, algorithm: str, seed: int):
   """`base` (a training config, e.g. configs/horizon_sweep.py) set to one run of the sweep."""
   if algorithm not in ALGORITHMS:
     raise ValueError(f"unknown algorithm label {algorithm!r}; expected one of {list(ALGORITHMS)}.")
+  from longhorizon.train import config as config_lib
   config = copy.deepcopy(base)
   config.unlock()
   for path, value in {**_env_settings(env_name, horizon), **ALGORITHMS[algorithm]}.items():
-    _set(config, path, value)
+    config_lib.set_path(config, path, value)
   config.seed = int(seed)
-  from longhorizon.train import config as config_lib
   config_lib.validate(config)
   return config
 

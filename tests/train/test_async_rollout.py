@@ -30,11 +30,7 @@ def _config(tmp_path=None, **changes):
   if tmp_path is not None:
     config.tasks.data_dir = str(tmp_path / "tasks")
   for path, value in changes.items():
-    node = config
-    *parents, leaf = path.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
+    config_lib.set_path(config, path, value)
   config.lock()
   return config
 

@@ -28,11 +28,7 @@ def _config(tmp_path, **changes):
   config.unlock()
   config.tasks.data_dir = str(tmp_path / "tasks")
   for path, value in changes.items():
-    node = config
-    *parents, leaf = path.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
+    config_lib.set_path(config, path, value)
   config.lock()
   return config
 

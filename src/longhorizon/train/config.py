@@ -19,7 +19,7 @@ from longhorizon.rollout import RewardConfig, RolloutConfig
 from longhorizon.train.algorithms import ALGORITHMS, AlgorithmOptions
 from longhorizon.train.update import LossOptions
 
-__all__ = ["validate", "algorithm_options", "loss_options", "rollout_config", "reward_config"]
+__all__ = ["set_path", "validate", "algorithm_options", "loss_options", "rollout_config", "reward_config"]
 
 _CHOICES = {
     "env.style": STYLES,
@@ -51,6 +51,16 @@ def _get(config, path: str) -> Any:
       raise ValueError(f"config is missing the field {path!r}.")
     node = node[part]
   return node
+
+
+def set_path(config, path: str, value) -> None:
+  """Sets the dotted field `path` (e.g. "algorithm.name") of an unlocked ConfigDict; a dict value
+  becomes a ConfigDict."""
+  node = config
+  *parents, leaf = path.split(".")
+  for part in parents:
+    node = node[part]
+  node[leaf] = ml_collections.ConfigDict(value) if isinstance(value, dict) else value
 
 
 def _fail(path, value, allowed):
