@@ -15,9 +15,9 @@ called once to compile, then timed `--repeats` times ending in `jax.block_until_
   time; step time = time / N.
 * **roofline**: the bare matmuls of one decode step on `[B, D]` activations, jitted, float32, with
   the real weights: for each of the 30 layers q/k/v/o, gate/up/down, then the unembedding `[V, D]`;
-  no attention, cache, norms or sampling. Both a `lax.scan` over stacked `[L, ...]` weights and an
-  unrolled loop over per-layer buffers (the layout `prepare_decode_params` gives the sampler) are
-  timed; the faster is the roofline. Decode and roofline runs alternate so load changes hit both. Target: decode step time /
+  no attention, cache, norms or sampling. Three layouts are timed: a `lax.scan` over stacked
+  `[L, ...]` weights, an unrolled loop over per-layer buffers, and the same with q|k|v and gate|up
+  concatenated (the layout `prepare_decode_params` gives the sampler); the fastest is the roofline. Decode and roofline runs alternate so load changes hit both. Target: decode step time /
   roofline step time <= 1.25.
 * **HF generate** (when torch imports and `--hf`): transformers' LlamaForCausalLM from the same GGUF,
   float32, `do_sample=False`, `min_new_tokens = max_new_tokens = N` (cannot stop early), the same
@@ -115,6 +115,24 @@ def _roofline_unrolled(x, layers, embedding):
   return jnp.einsum("bd,vd->bv", x, embedding), kvs
 
 
+def _fused_layer_matmuls(x, w):
+  qkv = x @ w["qkv"]
+  x = x + qkv[:, :w["o"].shape[0]] @ w["o"]
+  gate, up = jnp.split(x @ w["gate_up"], 2, axis=-1)
+  x = x + (gate * up) @ w["down"]
+  return x, qkv
+
+
+@jax.jit
+def _roofline_fused(x, layers, embedding):
+  """Per-layer buffers with q|k|v and gate|up concatenated (the layout the sampler uses)."""
+  kvs = []
+  for w in layers:
+    x, kv = _fused_layer_matmuls(x, w)
+    kvs.append(kv)
+  return jnp.einsum("bd,vd->bv", x, embedding), kvs
+
+
 def roofline_inputs(params, dtype=jnp.float32):
   """`{variant: (fn, layers, embedding)}`: one decode step's bare matmuls, `x[B, D]` through every
   layer's 7 projections (q/k/v/o, gate/up/down) and the `[V, D]` unembedding. The residual carries
@@ -127,9 +145,13 @@ def roofline_inputs(params, dtype=jnp.float32):
   stacked = jax.tree.map(lambda a: jnp.asarray(a, dtype), stacked)
   per_layer = tuple(jax.tree.map(lambda a, i=i: jnp.array(a[i]), stacked)
                     for i in range(stacked["q"].shape[0]))
+  fused = tuple({"qkv": jnp.concatenate([w["q"], w["k"], w["v"]], axis=1), "o": w["o"],
+                 "gate_up": jnp.concatenate([w["gate"], w["up"]], axis=1), "down": w["down"]}
+                for w in per_layer)
   embedding = jnp.asarray(params["embed_tokens"]["embedding"], dtype)
   return {"scan": (_roofline_scan, stacked, embedding),
-          "unrolled": (_roofline_unrolled, per_layer, embedding)}
+          "unrolled": (_roofline_unrolled, per_layer, embedding),
+          "fused": (_roofline_fused, fused, embedding)}
 
 
 def roofline_step_s(inputs, batch, calls=5):

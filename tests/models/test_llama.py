@@ -175,6 +175,25 @@ def test_cache_prefill_decode_and_extend_match_full_recompute(tiny):
   np.testing.assert_array_equal(np.asarray(out.cache.end), [14, 14])
 
 
+def test_cache_path_with_qkv_bias_untied_head_and_bf16_matches_full_recompute():
+  # `cached_forward` runs fused q|k|v (with bias) and gate|up weights; the scanned Linen blocks run
+  # the separate projections: the two must agree, decode step by step, in float32 and bfloat16.
+  config = models.tiny_config(tie_word_embeddings=False, attention_bias=True)
+  params = models.init_params(config, jax.random.key(3))
+  params = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(4), a.shape, a.dtype),
+                        params)  # non-zero biases
+  seq = np.random.default_rng(2).integers(0, 256, (2, 9)).astype(np.int32)
+  for cfg, atol in ((config, 1e-4), (config.replace(dtype="bfloat16"), 0.1)):
+    full = np.asarray(_forward(cfg, params, seq).logits)
+    out = _forward(cfg, params, seq[:, :4], cache=models.init_cache(cfg, 2, 12))
+    pieces, cache = [np.asarray(out.logits)], out.cache
+    for t in range(4, 9):
+      out = _forward(cfg, params, seq[:, t:t + 1], cache=cache)
+      pieces.append(np.asarray(out.logits))
+      cache = out.cache
+    np.testing.assert_allclose(np.concatenate(pieces, 1), full, atol=atol)
+
+
 def test_prepared_decode_params_give_the_same_results(tiny):
   config, params = tiny
   prepared = models.prepare_decode_params(params, config)
@@ -185,7 +204,7 @@ def test_prepared_decode_params_give_the_same_results(tiny):
   fast = _forward(config, prepared, tokens, cache=models.init_cache(config, 1, 6)).logits
   np.testing.assert_array_equal(np.asarray(raw), np.asarray(fast))
   bf16 = models.prepare_decode_params(params, config.replace(dtype="bfloat16"))
-  assert bf16.layers[0]["mlp"]["up_proj"]["kernel"].dtype == jnp.bfloat16
+  assert bf16.layers[0]["gate_up"].dtype == jnp.bfloat16
 
 
 def test_cache_with_ragged_rows_matches_each_row_alone(tiny):

@@ -365,6 +365,9 @@ def test_stop_tokens_budgets_and_inactive_rows(model):
   assert out.tokens[0, out.lengths[0] - 1] == stop  # the stop token ends the turn and is kept
   for b in (2, 3):  # inactive / zero budget: nothing changes
     np.testing.assert_array_equal(out.last_logits[b], logits[b])
+  for b in (0, 1):  # rows that stopped (at different steps) return the logits after their last token
+    seq = list(prompts[b]) + np.asarray(out.tokens[b, :int(out.lengths[b])]).tolist()
+    np.testing.assert_allclose(out.last_logits[b], full_logits(model, seq)[-1], atol=1e-4)
 
 
 def test_decode_never_writes_past_capacity(model):

@@ -1,8 +1,10 @@
 """Pure-functional Flax (Linen) decoder for the Llama family, with an optional KV cache, and critics.
 
 `Transformer` runs whole sequences (training, scoring) with its layers under `nn.scan`;
-`cached_forward` runs the same `Block`s one by one on per-layer weights and KV caches for sampling
-(prefill / decode / extend are all "append `T` new tokens to a cache"). Masks come from per-row lengths and slot indices, never from token
+`cached_forward` runs the same layer math one layer at a time on per-layer weights and KV caches for
+sampling (prefill / decode / extend are all "append `T` new tokens to a cache"): the weights are
+re-laid out once per policy version by `prepare_decode_params` (fused q|k|v and gate|up matrices),
+and the tests hold the two paths to the same logits. Masks come from per-row lengths and slot indices, never from token
 values: a pad id may be a real token (SmolLM2 pads with `<|im_end|>`, which also ends every turn).
 
 Parameter tree (HF-like names, so checkpoint mapping is mechanical; layer params stacked on axis 0):
@@ -41,25 +43,32 @@ class KVCache:
   """Keys and values of every layer for `S` slots per row; slot `i` holds the token at position `i`.
 
   One array per layer (not one stacked `[L, ...]` array): a decode step then updates each layer's
-  cache in place instead of slicing a copy out of, and writing it back into, a stacked array."""
-  k: tuple  # L x [B, KV, S, hd] compute dtype
+  cache in place instead of slicing a copy out of, and writing it back into, a stacked array.
+  Keys are stored transposed, `[B, KV, hd, S]`: a decode step's scores `q . k_s` then reduce over a
+  major axis with the slots contiguous, which XLA:CPU vectorises; values stay `[B, KV, S, hd]`, where
+  `sum_s p_s v_s` has the same shape (see the sampler benchmark notes in BUILD_NOTES.md)."""
+  k: tuple  # L x [B, KV, hd, S] compute dtype (transposed keys)
   v: tuple  # L x [B, KV, S, hd] compute dtype
   end: jax.Array  # [B] int32: number of filled slots (next write slot) per row
 
   @property
   def capacity(self) -> int:
-    return self.k[0].shape[2]
+    return self.v[0].shape[2]
 
 
 @flax.struct.dataclass
 class DecodeParams:
   """Parameters laid out for cached decoding (see `prepare_decode_params`): every layer's weights
-  as separate arrays in the compute dtype. A `lax.scan` over stacked weights slices (copies) each
-  layer's matrices every step; at batch 1 that copy costs as much as the matmul that reads them."""
+  as separate arrays in the compute dtype, with the q|k|v and gate|up matrices fused.
+
+  Why: a `lax.scan` over stacked weights slices (copies) each layer's matrices every step, which at
+  batch 1 costs as much as the matmul that reads them; and one `[D, (H + 2 KV) hd]` matmul keeps both
+  CPU threads busy where three small ones ran one after another."""
   embed: jax.Array  # [V, D]
   norm: dict  # {"scale": [D]}
   lm_head: jax.Array | None  # [D, V] when embeddings are untied
-  layers: tuple  # L per-layer param trees of `Block`
+  layers: tuple  # L dicts: input_norm [D], qkv [D, (H+2KV)hd], qkv_bias (or None), o [H hd, D],
+  #               post_norm [D], gate_up [D, 2F], down [F, D]
 
 
 @flax.struct.dataclass
@@ -71,25 +80,36 @@ class DecoderOutput:
 
 def init_cache(config: ModelConfig, batch_size: int, capacity: int) -> KVCache:
   """An empty cache of `capacity` slots per row."""
-  shape = (batch_size, config.num_key_value_heads, capacity, config.dims_per_head)
+  b, kv, hd, layers = batch_size, config.num_key_value_heads, config.dims_per_head, config.num_hidden_layers
   dtype = jnp.dtype(config.dtype)
-  zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers))
-  return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers)),
-                 end=jnp.zeros((batch_size,), jnp.int32))
+  return KVCache(k=tuple(jnp.zeros((b, kv, hd, capacity), dtype) for _ in range(layers)),
+                 v=tuple(jnp.zeros((b, kv, capacity, hd), dtype) for _ in range(layers)),
+                 end=jnp.zeros((b,), jnp.int32))
 
 
 def prepare_decode_params(params, config: ModelConfig) -> DecodeParams:
-  """Splits `Transformer` params into per-layer arrays in the compute dtype, for `cached_forward`.
+  """Re-lays `Transformer` params out for `cached_forward`: per-layer arrays in the compute dtype,
+  q|k|v and gate|up fused along their output axis.
 
   Do it once per policy version (it copies the weights); jitted callers may also pass raw params,
-  which are then split inside the compiled function on every call."""
+  which are then re-laid out inside the compiled function on every call."""
   if isinstance(params, DecodeParams):
     return params
   dtype = jnp.dtype(config.dtype)
-  cast = lambda a: jnp.asarray(a).astype(dtype) if jnp.issubdtype(jnp.asarray(a).dtype,
-                                                                   jnp.floating) else jnp.asarray(a)
+  cast = lambda a: jnp.asarray(a).astype(dtype)
+  attn, mlp = params["layers"]["self_attn"], params["layers"]["mlp"]
+  qkv = jnp.concatenate([attn[n]["kernel"] for n in ("q_proj", "k_proj", "v_proj")], axis=-1)
+  qkv_bias = (jnp.concatenate([attn[n]["bias"] for n in ("q_proj", "k_proj", "v_proj")], axis=-1)
+              if config.attention_bias else None)
+  gate_up = jnp.concatenate([mlp["gate_proj"]["kernel"], mlp["up_proj"]["kernel"]], axis=-1)
   layers = tuple(
-      jax.tree_util.tree_map(lambda a, l=l: cast(a[l]), params["layers"])
+      {"input_norm": jnp.asarray(params["layers"]["input_layernorm"]["scale"][l]),
+       "qkv": cast(qkv[l]),
+       "qkv_bias": None if qkv_bias is None else cast(qkv_bias[l]),
+       "o": cast(attn["o_proj"]["kernel"][l]),
+       "post_norm": jnp.asarray(params["layers"]["post_attention_layernorm"]["scale"][l]),
+       "gate_up": cast(gate_up[l]),
+       "down": cast(mlp["down_proj"]["kernel"][l])}
       for l in range(config.num_hidden_layers))
   return DecodeParams(
       embed=cast(params["embed_tokens"]["embedding"]),
@@ -150,16 +170,22 @@ class RMSNorm(nn.Module):
   def __call__(self, x):
     scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
                        (x.shape[-1],), jnp.dtype(self.param_dtype))
-    x32 = x.astype(_F32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (y * scale.astype(_F32)).astype(x.dtype)
+    return _rms_norm(x, scale, self.eps)
+
+
+def _rms_norm(x, scale, eps):
+  """RMSNorm in float32, returned in `x`'s dtype (shared by `RMSNorm` and `cached_forward`)."""
+  x32 = x.astype(_F32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (y * scale.astype(_F32)).astype(x.dtype)
 
 
 class Attention(nn.Module):
+  """Causal grouped-query self-attention over whole sequences (`mask [B, T, T]`)."""
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x, rope, mask, slots, layer_k, layer_v):
+  def __call__(self, x, rope, mask):
     cfg = self.config
     b, t, _ = x.shape
     h, kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dims_per_head
@@ -168,26 +194,13 @@ class Attention(nn.Module):
     v = _dense(kv * hd, ("embed", "kv_heads"), cfg, use_bias=cfg.attention_bias, name="v_proj")(x)
     q = _apply_rope(q.reshape(b, t, h, hd), rope)
     k = _apply_rope(k.reshape(b, t, kv, hd), rope)
-    v = v.reshape(b, t, kv, hd)
-    if layer_k is not None:
-      # Write the new keys/values at their slots; slots past the capacity are dropped (never wrap).
-      # Cache layout [B, KV, S, hd]: each head's keys are contiguous, so the attention matmuls read
-      # the cache as it lies (with [B, S, KV, hd], XLA:CPU transposed the whole cache every step).
-      rows = jnp.arange(b)[:, None]
-      layer_k = layer_k.at[rows, :, slots].set(k.astype(layer_k.dtype), mode="drop")
-      layer_v = layer_v.at[rows, :, slots].set(v.astype(layer_v.dtype), mode="drop")
-      keys, values = layer_k, layer_v
-    else:
-      keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    groups = h // kv
-    q = q.reshape(b, t, kv, groups, hd)
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, keys.astype(q.dtype),
-                        preferred_element_type=_F32) / math.sqrt(hd)
+    keys, values = k.transpose(0, 2, 1, 3), v.reshape(b, t, kv, hd).transpose(0, 2, 1, 3)
+    q = q.reshape(b, t, kv, h // kv, hd)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, keys, preferred_element_type=_F32) / math.sqrt(hd)
     scores = jnp.where(mask[:, None, None, :, :], scores, -1e30)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    out = jnp.einsum("bkgts,bksd->btkgd", probs, values.astype(q.dtype)).reshape(b, t, h * hd)
-    out = _dense(cfg.hidden_size, ("heads", "embed"), cfg, name="o_proj")(out)
-    return out, layer_k, layer_v
+    out = jnp.einsum("bkgts,bksd->btkgd", probs, values).reshape(b, t, h * hd)
+    return _dense(cfg.hidden_size, ("heads", "embed"), cfg, name="o_proj")(out)
 
 
 class MLP(nn.Module):
@@ -202,21 +215,18 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-  """One pre-norm decoder block; the scan carry is the residual stream."""
+  """One pre-norm decoder block; the scan carry is the residual stream (`cached_forward` runs the
+  same math on `DecodeParams`, see `_cached_block`)."""
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x, layer_cache, rope, mask, slots):
+  def __call__(self, x, _, rope, mask):
     cfg = self.config
-    layer_k, layer_v = layer_cache if layer_cache is not None else (None, None)
     x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
     h = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype, name="input_layernorm")(x)
-    attn, layer_k, layer_v = Attention(cfg, name="self_attn")(h, rope, mask, slots, layer_k,
-                                                               layer_v)
-    x = x + attn
+    x = x + Attention(cfg, name="self_attn")(h, rope, mask)
     h = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype, name="post_attention_layernorm")(x)
-    x = x + MLP(cfg, name="mlp")(h)
-    return x, (None if layer_cache is None else (layer_k, layer_v))
+    return x + MLP(cfg, name="mlp")(h), None
 
 
 _REMAT_POLICIES = {
@@ -265,7 +275,7 @@ class Transformer(nn.Module):
       block = nn.remat(Block, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
     self.layers = nn.scan(
         block, variable_axes={"params": 0}, split_rngs={"params": True},
-        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.num_hidden_layers,
+        in_axes=(0, nn.broadcast, nn.broadcast), length=cfg.num_hidden_layers,
         metadata_params={nn.PARTITION_NAME: "layers"})(cfg)
     self.norm = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype)
     if not cfg.tie_word_embeddings:
@@ -277,10 +287,10 @@ class Transformer(nn.Module):
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     if lengths is None:
       lengths = jnp.full((b,), t, jnp.int32)
-    mask, query_slots, _ = _attention_mask(jnp.zeros((b,), jnp.int32), lengths, t,
-                                           jnp.arange(t, dtype=jnp.int32))
+    mask, _, _ = _attention_mask(jnp.zeros((b,), jnp.int32), lengths, t,
+                                 jnp.arange(t, dtype=jnp.int32))
     x = self.embed_tokens(tokens)
-    x, _ = self.layers(x, None, rope_tables(positions, self.config), mask, query_slots)
+    x, _ = self.layers(x, None, rope_tables(positions, self.config), mask)
     hidden = self.norm(x)
     logits = self.logits(hidden) if compute_logits else None
     return DecoderOutput(hidden=hidden, logits=logits, cache=None)
@@ -303,6 +313,56 @@ def decode_logits(params: DecodeParams, config: ModelConfig, hidden):
                     preferred_element_type=_F32)
 
 
+def _cached_attention(q, layer_k, layer_v, mask):
+  """Grouped-query attention of new queries against a cache.
+
+  q: `[B, T, KV, G, hd]`; layer_k `[B, KV, hd, S]` (transposed); layer_v `[B, KV, S, hd]`;
+  mask `[B, T, S]`. Returns `[B, T, KV, G, hd]` in q's dtype; computed in float32 (a bfloat16 cache
+  is upcast as it is read).
+
+  A decode step (`T == 1`) is written as broadcast-multiply-reduce rather than as batched matmuls:
+  per (row, kv-head) the "matmul" is `[G, hd] x [hd, S]` with `G` = 3 for SmolLM2, which XLA:CPU ran
+  as many tiny single-threaded dots; the elementwise form fuses into one loop over the cache, reads
+  it once, and is split across threads. Longer appends (prefill, observations) use einsums.
+  """
+  scale = 1.0 / math.sqrt(q.shape[-1])
+  if q.shape[1] == 1:
+    q1 = q[:, 0].astype(_F32) * scale  # [B, KV, G, hd]
+    scores = jnp.sum(q1[..., None] * layer_k[:, :, None].astype(_F32), axis=3)  # [B, KV, G, S]
+    scores = jnp.where(mask[:, 0][:, None, None, :], scores, -1e30)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.sum(probs[..., None] * layer_v[:, :, None].astype(_F32), axis=3)  # [B, KV, G, hd]
+    return out[:, None].astype(q.dtype)
+  scores = jnp.einsum("btkgd,bkds->bkgts", q.astype(_F32), layer_k.astype(_F32)) * scale
+  scores = jnp.where(mask[:, None, None, :, :], scores, -1e30)
+  probs = jax.nn.softmax(scores, axis=-1)
+  out = jnp.einsum("bkgts,bksd->bkgtd", probs, layer_v.astype(_F32))
+  return out.transpose(0, 3, 1, 2, 4).astype(q.dtype)
+
+
+def _cached_block(w, config: ModelConfig, x, layer_k, layer_v, rope, mask, slots):
+  """`Block` on `DecodeParams` weights with a KV cache: writes the new keys/values at `slots`
+  (`[B, T]`; slots past the capacity are dropped, never wrapped) and attends to the cache."""
+  b, t, _ = x.shape
+  h, kv, hd = config.num_attention_heads, config.num_key_value_heads, config.dims_per_head
+  y = _rms_norm(x, w["input_norm"], config.rms_norm_eps)
+  qkv = jnp.dot(y, w["qkv"])
+  if w["qkv_bias"] is not None:
+    qkv = qkv + w["qkv_bias"]
+  q = _apply_rope(qkv[..., :h * hd].reshape(b, t, h, hd), rope)
+  k = _apply_rope(qkv[..., h * hd:(h + kv) * hd].reshape(b, t, kv, hd), rope)
+  v = qkv[..., (h + kv) * hd:].reshape(b, t, kv, hd)
+  rows = jnp.arange(b)[:, None]
+  # Advanced indices (rows, slots) lead the indexed shape: [B, T, KV, hd], as k and v are.
+  layer_k = layer_k.at[rows, :, :, slots].set(k.astype(layer_k.dtype), mode="drop")
+  layer_v = layer_v.at[rows, :, slots].set(v.astype(layer_v.dtype), mode="drop")
+  out = _cached_attention(q.reshape(b, t, kv, h // kv, hd), layer_k, layer_v, mask)
+  x = x + jnp.dot(out.reshape(b, t, h * hd), w["o"])
+  y = _rms_norm(x, w["post_norm"], config.rms_norm_eps)
+  gate, up = jnp.split(jnp.dot(y, w["gate_up"]), 2, axis=-1)
+  return x + jnp.dot(nn.silu(gate) * up, w["down"]), layer_k, layer_v
+
+
 def cached_forward(params, config: ModelConfig, tokens, cache: KVCache, positions=None,
                    lengths=None, compute_logits: bool = False) -> DecoderOutput:
   """Appends `tokens[B, T]` to `cache` and returns their hidden states (and optionally logits).
@@ -310,8 +370,8 @@ def cached_forward(params, config: ModelConfig, tokens, cache: KVCache, position
   The `T` tokens of row `b` are written at slots `cache.end[b] + t` (slots past the capacity are
   dropped) and attend to every filled slot up to their own; `lengths[b]` of them are real (right
   padding; default `T`), and the returned cache has `end += lengths`. Positions default to the slots.
-  The layers are the `Block`s of `Transformer`, applied one by one on per-layer weights and caches
-  (see `DecodeParams`), so results equal `Transformer` on the whole sequence.
+  The layers are `Transformer`'s blocks, applied one by one on `DecodeParams` weights and per-layer
+  caches, so results equal `Transformer` on the whole sequence (tested to 1e-4).
 
   Args:
     params: `DecodeParams` (from `prepare_decode_params`) or raw `Transformer` params.
@@ -331,14 +391,13 @@ def cached_forward(params, config: ModelConfig, tokens, cache: KVCache, position
   if positions is None:
     positions = query_slots
   x = jnp.take(params.embed, tokens, axis=0).astype(jnp.dtype(config.dtype))
-  block = Block(config)
   rope = rope_tables(positions, config)
   new_k, new_v = [], []
-  for layer_params, k, v in zip(params.layers, cache.k, cache.v):
-    x, (k, v) = block.apply({"params": layer_params}, x, (k, v), rope, mask, query_slots)
+  for w, k, v in zip(params.layers, cache.k, cache.v):
+    x, k, v = _cached_block(w, config, x, k, v, rope, mask, query_slots)
     new_k.append(k)
     new_v.append(v)
-  hidden = RMSNorm(config.rms_norm_eps, config.param_dtype).apply({"params": params.norm}, x)
+  hidden = _rms_norm(x, params.norm["scale"], config.rms_norm_eps)
   logits = decode_logits(params, config, hidden) if compute_logits else None
   return DecoderOutput(hidden=hidden, logits=logits,
                        cache=KVCache(k=tuple(new_k), v=tuple(new_v), end=new_end))
