@@ -349,8 +349,8 @@ def _cached_block(w, config: ModelConfig, x, layer_k, layer_v, rope, mask, slots
   qkv = jnp.dot(y, w["qkv"])
   if w["qkv_bias"] is not None:
     qkv = qkv + w["qkv_bias"]
-  q = _apply_rope(qkv[..., :h * hd].reshape(b, t, h, hd), rope)
-  k = _apply_rope(qkv[..., h * hd:(h + kv) * hd].reshape(b, t, kv, hd), rope)
+  qk = _apply_rope(qkv[..., :(h + kv) * hd].reshape(b, t, h + kv, hd), rope)  # one pass for q and k
+  q, k = qk[:, :, :h], qk[:, :, h:]
   v = qkv[..., (h + kv) * hd:].reshape(b, t, kv, hd)
   rows = jnp.arange(b)[:, None]
   # Advanced indices (rows, slots) lead the indexed shape: [B, T, KV, hd], as k and v are.
