@@ -12,13 +12,15 @@ Variants (`--config=configs/horizon_sweep.py:VARIANT`):
                  sweep has every cell at fewer seeds); the main job's 2-layer d=128 policy; per
                  run 12 RL updates of 8 tasks x 8 rollouts (768 episodes) from a shared SFT warm
                  start (60 passes over 128 demonstrations with epsilon 0.1, minibatches of 16, lr 1e-3: step
-                 accuracy ~0.85 at N=2).
+                 accuracy ~0.85 at N=2). Measured cost on the 2-core CPU: see "What ran" in
+                 docs/horizon_cliff.md (more than the ~2 h first aimed at: gridworld N = 8
+                 alone takes ~40 min per seed).
   accelerator    the same sweep at accelerator scale: N up to 32 on both envs, a 4-layer d=256
                  policy, 60 updates of 32 tasks x 8 rollouts (15,360 episodes per run).
   smoke          minutes on a CPU: pointer_chain N in {2, 4}, gridworld N=2, grpo and gigpo, one
                  seed, 2 updates.
 Every run of a cell (env, N, seed) starts from the same SFT warm start (noisy demonstrator,
-epsilon 0.2), so the algorithms differ only in credit assignment; all share every other
+epsilon 0.1), so the algorithms differ only in credit assignment; all share every other
 hyperparameter (none is tuned per algorithm).
 """
 

@@ -60,12 +60,11 @@ def main(argv):
                       log=lambda line: print(line, flush=True))
     os.makedirs(out, exist_ok=True)
     meta_path = os.path.join(out, "sweep.json")
-    meta = json.load(open(meta_path)) if os.path.exists(meta_path) else {"sessions": []}
+    meta = json.load(open(meta_path)) if os.path.exists(meta_path) else {}
     meta["config"] = json.loads(config.to_json_best_effort())
-    meta["sessions"].append({"command": " ".join(["python"] + sys.argv),
-                             "wall_s": round(time.perf_counter() - started, 1),
-                             "devices": [str(d) for d in jax.devices()],
-                             "jax": jax.__version__, "cpus": os.cpu_count()})
+    meta.setdefault("sessions", []).append({
+        "command": " ".join(["python"] + sys.argv), "wall_s": round(time.perf_counter() - started, 1),
+        "devices": [str(d) for d in jax.devices()], "jax": jax.__version__, "cpus": os.cpu_count()})
     with open(meta_path, "w") as f:
       json.dump(meta, f, indent=1)
   paths = horizon.plot_all(out)
