@@ -35,3 +35,14 @@ def assert_no_retrace():
 @pytest.fixture
 def rng():
   return np.random.default_rng(0)
+
+
+@pytest.fixture(scope="session")
+def one_hop_learning_changes():
+  """Config changes (dotted paths) of the learning tests' setup: 1-hop pointer_chain, 60 SFT steps on
+  128 noisy-demonstrator episodes, tuned so the warm start is competent but unreliable (sampled
+  success ~0.45 on 64 test tasks), then small RL updates of 8 tasks x 8 rollouts."""
+  return {"env.params": {"horizon": 1}, "env.max_steps": 3, "sft.steps": 60, "sft.episodes": 128,
+          "sft.learning_rate": 3e-3, "tasks.test_size": 64, "rollout.num_tasks": 8,
+          "rollout.group_size": 8, "rollout.context_length": 96, "optim.learning_rate": 3e-4,
+          "optim.minibatches": 2, "optim.epochs": 2}

@@ -105,14 +105,15 @@ def _roofline_scan(x, layers, embedding):
   return jnp.einsum("bd,vd->bv", x, embedding), kvs
 
 
-@jax.jit
-def _roofline_unrolled(x, layers, embedding):
-  """A tuple of L per-layer weight dicts (separate buffers), unrolled."""
-  kvs = []
-  for w in layers:
-    x, kv = _layer_matmuls(x, w)
-    kvs.append(kv)
-  return jnp.einsum("bd,vd->bv", x, embedding), kvs
+def _unrolled(layer_matmuls):
+  """A jitted roofline step unrolled over a tuple of L per-layer weight dicts (separate buffers)."""
+  def step(x, layers, embedding):
+    kvs = []
+    for w in layers:
+      x, kv = layer_matmuls(x, w)
+      kvs.append(kv)
+    return jnp.einsum("bd,vd->bv", x, embedding), kvs
+  return jax.jit(step)
 
 
 def _fused_layer_matmuls(x, w):
@@ -123,14 +124,8 @@ def _fused_layer_matmuls(x, w):
   return x, qkv
 
 
-@jax.jit
-def _roofline_fused(x, layers, embedding):
-  """Per-layer buffers with q|k|v and gate|up concatenated (the layout the sampler uses)."""
-  kvs = []
-  for w in layers:
-    x, kv = _fused_layer_matmuls(x, w)
-    kvs.append(kv)
-  return jnp.einsum("bd,vd->bv", x, embedding), kvs
+_roofline_unrolled = _unrolled(_layer_matmuls)  # seven matmuls per layer
+_roofline_fused = _unrolled(_fused_layer_matmuls)  # q|k|v and gate|up fused, as the sampler runs
 
 
 def roofline_inputs(params, dtype=jnp.float32):

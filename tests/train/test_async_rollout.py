@@ -238,16 +238,12 @@ def test_async_with_max_staleness_zero_equals_sync_through_a_resume(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def warm(tmp_path_factory):
+def warm(tmp_path_factory, one_hop_learning_changes):
   """The warm start of tests/train/test_learning.py (1-hop chains, sampled success ~0.45)."""
   tmp = tmp_path_factory.mktemp("async_learning")
-  config = _config(tmp, **{"env.params": {"horizon": 1}, "env.max_steps": 3, "sft.steps": 60,
-                           "sft.episodes": 128, "sft.learning_rate": 3e-3, "tasks.test_size": 64,
-                           "rollout.num_tasks": 8, "rollout.group_size": 8,
-                           "rollout.context_length": 96, "optim.learning_rate": 3e-4,
-                           "optim.minibatches": 2, "optim.epochs": 2, "rollout.mode": "async",
-                           "rollout.max_staleness": 2, "rollout.queue_size": 2,
-                           "algorithm.tis_threshold": 2.0})
+  config = _config(tmp, **one_hop_learning_changes, **{
+      "rollout.mode": "async", "rollout.max_staleness": 2, "rollout.queue_size": 2,
+      "algorithm.tis_threshold": 2.0})
   s = loop.setup(config)
   state, _ = loop.warm_start(s, loop.initial_state(s))
   return s, jax.device_get(state)

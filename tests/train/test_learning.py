@@ -69,16 +69,11 @@ def test_default_configs_validate():
 # ----------------------------------------------------------------------- one setup for the rest
 
 @pytest.fixture(scope="module")
-def warm(tmp_path_factory):
-  """A smoke setup with a short SFT warm start on pointer_chain with 1 hop."""
+def warm(tmp_path_factory, one_hop_learning_changes):
+  """A smoke setup with a short SFT warm start on pointer_chain with 1 hop (see the fixture
+  `one_hop_learning_changes` in tests/conftest.py)."""
   tmp = tmp_path_factory.mktemp("learning")
-  # Tuned so the warm start is competent but unreliable (sampled success ~0.45 on 64 test tasks):
-  # 60 SFT steps on 128 noisy-demonstrator episodes of 1-hop chains.
-  config = _config(tmp, **{"env.params": {"horizon": 1}, "env.max_steps": 3, "sft.steps": 60,
-                           "sft.episodes": 128, "sft.learning_rate": 3e-3, "tasks.test_size": 64,
-                           "rollout.num_tasks": 8, "rollout.group_size": 8,
-                           "rollout.context_length": 96, "optim.learning_rate": 3e-4,
-                           "optim.minibatches": 2, "optim.epochs": 2})
+  config = _config(tmp, **one_hop_learning_changes)
   s = loop.setup(config)
   state, _ = loop.warm_start(s, loop.initial_state(s))
   return s, jax.device_get(state)

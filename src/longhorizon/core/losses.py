@@ -183,9 +183,12 @@ def _clipped_surrogate(log_ratio, advantages, mask, *, clip_low, clip_high, dual
   return loss, {k: _f32(v) for k, v in metrics.items()}
 
 
-def _check_policy_inputs(logp, old_logp, advantages, mask, is_weights, dual_clip):
+def _policy_inputs(logp, ref_logp, advantages, mask, is_weights=None, dual_clip=None):
+  """Checks the shapes of a policy loss's inputs and returns `(logp, ref_logp, advantages, mask)`:
+  log-probs and advantages in float32, `[B]` advantages broadcast to `[B, T]`."""
+  logp, ref_logp, advantages, mask = map(jnp.asarray, (logp, ref_logp, advantages, mask))
   chex.assert_rank(logp, 2)
-  chex.assert_equal_shape([logp, old_logp, mask])
+  chex.assert_equal_shape([logp, ref_logp, mask])
   if advantages.ndim == 1:
     chex.assert_shape(advantages, (logp.shape[0],))
   else:
@@ -194,6 +197,10 @@ def _check_policy_inputs(logp, old_logp, advantages, mask, is_weights, dual_clip
     chex.assert_equal_shape([logp, is_weights])
   if dual_clip is not None and not dual_clip > 1.0:
     raise ValueError(f"dual_clip must be > 1 (it caps the loss at -dual_clip * A), got {dual_clip}.")
+  advantages = _f32(advantages)
+  if advantages.ndim == 1:
+    advantages = jnp.broadcast_to(advantages[:, None], logp.shape)
+  return _f32(logp), _f32(ref_logp), advantages, mask
 
 
 @functools.partial(jax.jit, static_argnames=("dual_clip", "agg"))
@@ -234,11 +241,8 @@ def policy_loss(logp: chex.Array,
     `clipfrac_lower` (share capped by the dual clip), `approx_kl` (`mean(old_logp - logp)`),
     `approx_kl_k3`, `ratio_mean` and ratio quantiles `ratio_{min,q05,q50,q95,max}`.
   """
-  logp, old_logp, advantages, mask = map(jnp.asarray, (logp, old_logp, advantages, mask))
-  _check_policy_inputs(logp, old_logp, advantages, mask, is_weights, dual_clip)
-  logp, old_logp, advantages = _f32(logp), _f32(old_logp), _f32(advantages)
-  if advantages.ndim == 1:
-    advantages = jnp.broadcast_to(advantages[:, None], logp.shape)
+  logp, old_logp, advantages, mask = _policy_inputs(logp, old_logp, advantages, mask, is_weights,
+                                                    dual_clip)
   log_ratio = logp - old_logp
   extra = {
       "approx_kl": masked_mean(-log_ratio, mask),
@@ -282,11 +286,7 @@ def gspo_loss(logp: chex.Array,
   Returns:
     `(loss, metrics)` with the metrics of `policy_loss` computed on the sequence ratio.
   """
-  logp, old_logp, advantages, mask = map(jnp.asarray, (logp, old_logp, advantages, mask))
-  _check_policy_inputs(logp, old_logp, advantages, mask, is_weights, None)
-  logp, old_logp, advantages = _f32(logp), _f32(old_logp), _f32(advantages)
-  if advantages.ndim == 1:
-    advantages = jnp.broadcast_to(advantages[:, None], logp.shape)
+  logp, old_logp, advantages, mask = _policy_inputs(logp, old_logp, advantages, mask, is_weights)
   m = _bool(mask)
   token_log_ratio = jnp.where(m, logp - old_logp, 0.0)
   seq_log_ratio = jnp.sum(token_log_ratio, axis=-1) / jnp.maximum(jnp.sum(m, axis=-1), 1)
@@ -336,11 +336,7 @@ def truncated_is_policy_loss(logp: chex.Array,
     (`rho > C`), `clipfrac_lower` 0, `approx_kl` / `approx_kl_k3` and the ratio statistics are of
     `rho` (current against behaviour).
   """
-  logp, behavior_logp, advantages, mask = map(jnp.asarray, (logp, behavior_logp, advantages, mask))
-  _check_policy_inputs(logp, behavior_logp, advantages, mask, None, None)
-  logp, behavior_logp, advantages = _f32(logp), _f32(behavior_logp), _f32(advantages)
-  if advantages.ndim == 1:
-    advantages = jnp.broadcast_to(advantages[:, None], logp.shape)
+  logp, behavior_logp, advantages, mask = _policy_inputs(logp, behavior_logp, advantages, mask)
   log_ratio = logp - behavior_logp
   rho = jnp.exp(jnp.clip(log_ratio, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
   weight = jax.lax.stop_gradient(jnp.minimum(rho, _f32(threshold)))
