@@ -29,6 +29,10 @@ called once to compile, then timed `--repeats` times ending in `jax.block_until_
 * **compile**: trace + lower, and XLA compile, of the 30-layer `decode` (batch 1, N new tokens),
   measured before anything else is compiled.
 
+The decode step's attention runs the CPU kernel `models.cpu_kernels.decode_attention` (reads each
+row's filled cache prefix only) when it builds; `LONGHORIZON_CPU_KERNELS=0` measures the XLA path
+instead. The header line says which ran.
+
 Prints one table; `--out` writes the rows (and the environment) as JSON.
 """
 
@@ -48,6 +52,7 @@ import numpy as np
 import results_io
 from longhorizon import sampling
 from longhorizon.models import checkpoint
+from longhorizon.models import cpu_kernels
 from longhorizon.models import prepare_decode_params
 from longhorizon.models.tokenizer import render_chat
 
@@ -352,8 +357,11 @@ def main(argv):
   record["episode"] = {"multi_s": multi, "single_s": single, "turns": k, "obs_tokens": obs,
                        "turn_tokens": m, "batch": eb}
 
+  attention = ("CPU kernel" if cpu_kernels.available() else
+               f"XLA ({cpu_kernels.build_error() or 'kernel switched off'})")
   print(f"SmolLM2-135M float32, prompt {len(ids)} tokens, {n} new tokens, jax {jax.__version__}, "
-        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, decode attention: {attention}")
+  record["attention"] = attention
   print_table(rows)
   if _OUT.value:
     results_io.write_json(_OUT.value, {"rows": rows, "measurements": record,

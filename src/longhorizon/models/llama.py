@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from longhorizon.models import cpu_kernels
 from longhorizon.models.config import ModelConfig
 
 __all__ = ["KVCache", "DecodeParams", "DecoderOutput", "Transformer", "ValueHead", "Critic",
@@ -44,10 +45,9 @@ class KVCache:
 
   One array per layer (not one stacked `[L, ...]` array): a decode step then updates each layer's
   cache in place instead of slicing a copy out of, and writing it back into, a stacked array.
-  Keys are stored transposed, `[B, KV, hd, S]`: a decode step's scores `q . k_s` then reduce over a
-  major axis with the slots contiguous, which XLA:CPU vectorises; values stay `[B, KV, S, hd]`, where
-  `sum_s p_s v_s` has the same shape (see the sampler benchmark notes in BUILD_NOTES.md)."""
-  k: tuple  # L x [B, KV, hd, S] compute dtype (transposed keys)
+  Keys and values are `[B, KV, S, hd]`: each (row, kv-head) keeps its filled slots as one contiguous
+  prefix, which the CPU decode kernel (`cpu_kernels.decode_attention`) reads and nothing more."""
+  k: tuple  # L x [B, KV, S, hd] compute dtype
   v: tuple  # L x [B, KV, S, hd] compute dtype
   end: jax.Array  # [B] int32: number of filled slots (next write slot) per row
 
@@ -82,7 +82,7 @@ def init_cache(config: ModelConfig, batch_size: int, capacity: int) -> KVCache:
   """An empty cache of `capacity` slots per row."""
   b, kv, hd, layers = batch_size, config.num_key_value_heads, config.dims_per_head, config.num_hidden_layers
   dtype = jnp.dtype(config.dtype)
-  return KVCache(k=tuple(jnp.zeros((b, kv, hd, capacity), dtype) for _ in range(layers)),
+  return KVCache(k=tuple(jnp.zeros((b, kv, capacity, hd), dtype) for _ in range(layers)),
                  v=tuple(jnp.zeros((b, kv, capacity, hd), dtype) for _ in range(layers)),
                  end=jnp.zeros((b,), jnp.int32))
 
@@ -316,24 +316,35 @@ def decode_logits(params: DecodeParams, config: ModelConfig, hidden):
 def _cached_attention(q, layer_k, layer_v, mask):
   """Grouped-query attention of new queries against a cache.
 
-  q: `[B, T, KV, G, hd]`; layer_k `[B, KV, hd, S]` (transposed); layer_v `[B, KV, S, hd]`;
-  mask `[B, T, S]`. Returns `[B, T, KV, G, hd]` in q's dtype; computed in float32 (a bfloat16 cache
-  is upcast as it is read).
+  q: `[B, T, KV, G, hd]`; layer_k, layer_v: `[B, KV, S, hd]`; mask `[B, T, S]`, for a decode step
+  (`T == 1`) a prefix of each row's slots (as `_attention_mask` builds it). Returns
+  `[B, T, KV, G, hd]` in q's dtype; computed in float32 (a bfloat16 cache is upcast as it is read).
 
-  A decode step (`T == 1`) is written as broadcast-multiply-reduce rather than as batched matmuls:
-  per (row, kv-head) the "matmul" is `[G, hd] x [hd, S]` with `G` = 3 for SmolLM2, which XLA:CPU ran
-  as many tiny single-threaded dots; the elementwise form fuses into one loop over the cache, reads
-  it once, and is split across threads. Longer appends (prefill, observations) use einsums.
+  A decode step with a float32 cache runs, on CPU, the `cpu_kernels.decode_attention` kernel when it
+  is available: it reads each row's visible prefix only, where XLA reads all `S` slots of every
+  layer every step (the sampler's largest cost after the matmuls at batch 64). Elsewhere, and for
+  longer appends (prefill, observations), einsums.
   """
   scale = 1.0 / math.sqrt(q.shape[-1])
   if q.shape[1] == 1:
     q1 = q[:, 0].astype(_F32) * scale  # [B, KV, G, hd]
-    scores = jnp.sum(q1[..., None] * layer_k[:, :, None].astype(_F32), axis=3)  # [B, KV, G, S]
-    scores = jnp.where(mask[:, 0][:, None, None, :], scores, -1e30)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.sum(probs[..., None] * layer_v[:, :, None].astype(_F32), axis=3)  # [B, KV, G, hd]
+
+    def xla(q1, layer_k, layer_v, mask, _):
+      scores = jnp.einsum("bkgd,bksd->bkgs", q1, layer_k.astype(_F32))
+      scores = jnp.where(mask[:, 0][:, None, None, :], scores, -1e30)
+      probs = jax.nn.softmax(scores, axis=-1)
+      return jnp.einsum("bkgs,bksd->bkgd", probs, layer_v.astype(_F32))
+
+    if (layer_k.dtype == _F32 and layer_v.dtype == _F32 and q.shape[3] <= cpu_kernels.MAX_GROUP
+        and cpu_kernels.available()):
+      visible = jnp.sum(mask[:, 0], axis=-1, dtype=jnp.int32)  # the mask is a prefix
+      out = jax.lax.platform_dependent(
+          q1, layer_k, layer_v, mask, visible,
+          cpu=lambda q1, k, v, _, n: cpu_kernels.decode_attention(q1, k, v, n), default=xla)
+    else:
+      out = xla(q1, layer_k, layer_v, mask, None)
     return out[:, None].astype(q.dtype)
-  scores = jnp.einsum("btkgd,bkds->bkgts", q.astype(_F32), layer_k.astype(_F32)) * scale
+  scores = jnp.einsum("btkgd,bksd->bkgts", q.astype(_F32), layer_k.astype(_F32)) * scale
   scores = jnp.where(mask[:, None, None, :, :], scores, -1e30)
   probs = jax.nn.softmax(scores, axis=-1)
   out = jnp.einsum("bkgts,bksd->bkgtd", probs, layer_v.astype(_F32))
@@ -354,7 +365,7 @@ def _cached_block(w, config: ModelConfig, x, layer_k, layer_v, rope, mask, slots
   v = qkv[..., (h + kv) * hd:].reshape(b, t, kv, hd)
   rows = jnp.arange(b)[:, None]
   # Advanced indices (rows, slots) lead the indexed shape: [B, T, KV, hd], as k and v are.
-  layer_k = layer_k.at[rows, :, :, slots].set(k.astype(layer_k.dtype), mode="drop")
+  layer_k = layer_k.at[rows, :, slots].set(k.astype(layer_k.dtype), mode="drop")
   layer_v = layer_v.at[rows, :, slots].set(v.astype(layer_v.dtype), mode="drop")
   out = _cached_attention(q.reshape(b, t, kv, h // kv, hd), layer_k, layer_v, mask)
   x = x + jnp.dot(out.reshape(b, t, h * hd), w["o"])
@@ -364,7 +375,7 @@ def _cached_block(w, config: ModelConfig, x, layer_k, layer_v, rope, mask, slots
 
 
 def cached_forward(params, config: ModelConfig, tokens, cache: KVCache, positions=None,
-                   lengths=None, compute_logits: bool = False) -> DecoderOutput:
+                   lengths=None, compute_logits: bool = False, rope=None) -> DecoderOutput:
   """Appends `tokens[B, T]` to `cache` and returns their hidden states (and optionally logits).
 
   The `T` tokens of row `b` are written at slots `cache.end[b] + t` (slots past the capacity are
@@ -381,6 +392,9 @@ def cached_forward(params, config: ModelConfig, tokens, cache: KVCache, position
     positions: optional `[B, T]` position ids.
     lengths: optional `[B]` int real tokens per row.
     compute_logits: also return `[B, T, V]` float32 logits.
+    rope: optional `rope_tables(positions, config)`, computed by the caller (then `positions` is
+      unused). A decode loop passes slices of one table built before the loop: computed here, XLA:CPU
+      fused the cos/sin into every layer's rotation and evaluated them 30 times a step.
   """
   params = prepare_decode_params(params, config)
   b, t = tokens.shape
@@ -391,7 +405,8 @@ def cached_forward(params, config: ModelConfig, tokens, cache: KVCache, position
   if positions is None:
     positions = query_slots
   x = jnp.take(params.embed, tokens, axis=0).astype(jnp.dtype(config.dtype))
-  rope = rope_tables(positions, config)
+  if rope is None:
+    rope = rope_tables(positions, config)
   new_k, new_v = [], []
   for w, k, v in zip(params.layers, cache.k, cache.v):
     x, k, v = _cached_block(w, config, x, k, v, rope, mask, query_slots)

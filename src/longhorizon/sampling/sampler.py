@@ -48,7 +48,7 @@ import numpy as np
 
 from longhorizon.models.config import ModelConfig
 from longhorizon.models.llama import (KVCache, cached_forward, decode_logits, init_cache,
-                                      prepare_decode_params)
+                                      prepare_decode_params, rope_tables)
 
 __all__ = ["SamplingParams", "DecodeResult", "prefill", "extend", "decode", "generate",
            "per_row_keys", "overflowed", "apply_temperature", "top_k_mask", "top_p_mask",
@@ -285,10 +285,11 @@ def overflowed(cache: KVCache) -> jax.Array:
   return cache.end > cache.capacity
 
 
-def _append_hidden(params, config: ModelConfig, cache: KVCache, tokens, lengths):
+def _append_hidden(params, config: ModelConfig, cache: KVCache, tokens, lengths, rope=None):
   """Appends `tokens[B, T]` (`lengths[B]` real) to the cache; returns the cache and the final-normed
-  hidden state `[B, D]` after each row's last new token (undefined for rows with length 0)."""
-  out = cached_forward(params, config, tokens, cache, lengths=lengths)
+  hidden state `[B, D]` after each row's last new token (undefined for rows with length 0). `rope`:
+  optional precomputed rotary tables (see `cached_forward`)."""
+  out = cached_forward(params, config, tokens, cache, lengths=lengths, rope=rope)
   b, t = tokens.shape
   last = jnp.clip(lengths - 1, 0, t - 1)
   return out.cache, out.hidden[jnp.arange(b), last]
@@ -435,6 +436,9 @@ def decode(params, config: ModelConfig, cache: KVCache, last_logits: chex.Array,
   stop_ids = jnp.asarray(sampling.stop_token_ids, jnp.int32)
 
   params = prepare_decode_params(params, config)  # once, outside the loop (no-op if prepared)
+  # Rotary tables for every step, built once: a row that writes at step i has written at every
+  # earlier step, so its token sits at position `end + i` (rows that do not write are not used).
+  rope = rope_tables(cache.end[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :], config)
 
   def cond(s: _DecodeState):
     return (s.step < n) & ~jnp.all(s.done)
@@ -455,8 +459,9 @@ def decode(params, config: ModelConfig, cache: KVCache, last_logits: chex.Array,
     logp = jnp.where(write, s.next_logprobs, 0.0)
     lengths = s.lengths + write.astype(jnp.int32)
     hit_stop = (write & jnp.isin(tok, stop_ids)) if sampling.stop_token_ids else jnp.zeros_like(write)
+    step_rope = tuple(jax.lax.dynamic_slice_in_dim(table, s.step, 1, axis=1) for table in rope)
     new_cache, hidden = _append_hidden(params, config, s.cache, tok[:, None],
-                                       write.astype(jnp.int32))
+                                       write.astype(jnp.int32), step_rope)
     next_tokens, next_logprobs = draw(decode_logits(params, config, hidden), new_cache)
     return _DecodeState(
         step=s.step + 1,

@@ -1,0 +1,150 @@
+"""The CPU decode-attention kernel (`models.cpu_kernels`): NumPy reference, prefix-only reads, the
+model path it replaces, and the fallback when it cannot be built."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from longhorizon import models
+from longhorizon import sampling
+from longhorizon.models import cpu_kernels
+from longhorizon.models import llama
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
+                                reason=f"kernel unavailable: {cpu_kernels.build_error()}")
+
+
+def _reference(q, k, v, n):
+  """float64 softmax(q . k_s / 1) v_s over s < n[b], per (row, kv head, query head); zeros if n=0."""
+  b, kv, g, hd = q.shape
+  out = np.zeros((b, kv, g, hd))
+  for r in range(b):
+    for h in range(kv):
+      if n[r] == 0:
+        continue
+      keys = k[r, h, :n[r]].astype(np.float64)
+      values = v[r, h, :n[r]].astype(np.float64)
+      for j in range(g):
+        s = keys @ q[r, h, j].astype(np.float64)
+        p = np.exp(s - s.max())
+        out[r, h, j] = (p / p.sum()) @ values
+  return out
+
+
+def _inputs(rng, b, kv, g, hd, s):
+  q = rng.normal(size=(b, kv, g, hd)).astype(np.float32)
+  k = rng.normal(size=(b, kv, s, hd)).astype(np.float32)
+  v = rng.normal(size=(b, kv, s, hd)).astype(np.float32)
+  return q, k, v
+
+
+# (G, hd): hd 64 and 128 take the register-blocked path, others the generic one.
+@pytest.mark.parametrize("g, hd", [(1, 64), (3, 64), (4, 128), (2, 16), (3, 24), (8, 40)])
+def test_kernel_matches_numpy_reference(g, hd):
+  rng = np.random.default_rng(hd + g)
+  b, kv, s = 6, 2, 37
+  q, k, v = _inputs(rng, b, kv, g, hd, s)
+  n = np.array([0, 1, 2, 17, 36, 37], np.int32)
+  out = np.asarray(jax.jit(cpu_kernels.decode_attention)(q, k, v, n))
+  np.testing.assert_allclose(out, _reference(q, k, v, n), atol=2e-6, rtol=1e-5)
+  np.testing.assert_array_equal(out[0], 0.0)  # n = 0: no visible slot
+
+
+def test_hand_checkable_cases():
+  b, kv, g, hd, s = 2, 1, 1, 64, 8
+  q = np.ones((b, kv, g, hd), np.float32)
+  k = np.zeros((b, kv, s, hd), np.float32)
+  v = np.arange(b * kv * s * hd, dtype=np.float32).reshape(b, kv, s, hd)
+  # Row 0 sees one slot: the output is that slot's value. Row 1 sees three slots with equal keys:
+  # uniform weights, the mean of the three values.
+  out = np.asarray(cpu_kernels.decode_attention(q, k, v, np.array([1, 3], np.int32)))
+  np.testing.assert_array_equal(out[0, 0, 0], v[0, 0, 0])
+  np.testing.assert_allclose(out[1, 0, 0], v[1, 0, :3].mean(0), rtol=1e-6)
+
+
+def test_kernel_reads_only_the_visible_prefix():
+  # NaN in every slot past n[b]: any read of them would poison the output.
+  rng = np.random.default_rng(0)
+  q, k, v = _inputs(rng, 3, 3, 3, 64, 32)
+  n = np.array([5, 20, 31], np.int32)
+  for r in range(3):
+    k[r, :, n[r]:] = np.nan
+    v[r, :, n[r]:] = np.nan
+  out = np.asarray(cpu_kernels.decode_attention(q, k, v, n))
+  assert np.isfinite(out).all()
+  np.testing.assert_allclose(out, _reference(q, k, v, n), atol=2e-6, rtol=1e-5)
+
+
+def test_bad_shapes_are_named():
+  rng = np.random.default_rng(0)
+  q, k, v = _inputs(rng, 2, 1, 9, 64, 8)
+  with pytest.raises(ValueError, match="9 query heads per kv head"):
+    cpu_kernels.decode_attention(q, k, v, np.array([1, 2], np.int32))
+  q, k, v = _inputs(rng, 2, 1, 2, 64, 8)
+  with pytest.raises(ValueError, match="inconsistent"):
+    cpu_kernels.decode_attention(q, k[:, :, :5], v, np.array([1, 2], np.int32))
+
+
+def _decode(config, params, prompts, lengths, n, seed):
+  cache, logits = sampling.prefill(params, config, prompts, lengths, prompts.shape[1] + n)
+  rule = sampling.SamplingParams(temperature=1.0, max_new_tokens=n, stop_token_ids=())
+  keys = sampling.per_row_keys(seed, np.arange(prompts.shape[0]))
+  return sampling.decode(params, config, cache, logits, keys, rule)
+
+
+@pytest.mark.parametrize("heads, kv_heads, hidden", [(4, 2, 64), (9, 3, 576)])
+def test_decode_with_kernel_equals_the_xla_path(heads, kv_heads, hidden):
+  # Same sampled tokens and log-probs, logits to float32 rounding, with ragged prompt lengths (each
+  # row sees a different prefix). The second shape is SmolLM2's head layout (hd 64, G 3).
+  config = models.tiny_config(vocab_size=61, hidden_size=hidden, num_attention_heads=heads,
+                              num_key_value_heads=kv_heads, intermediate_size=96)
+  params = models.prepare_decode_params(models.init_params(config, jax.random.key(3)), config)
+  rng = np.random.default_rng(2)
+  prompts = rng.integers(0, 61, (4, 8)).astype(np.int32)
+  lengths = np.array([8, 1, 5, 3], np.int32)
+  results = {}
+  for enabled in (True, False):
+    jax.clear_caches()  # the kernel choice is made when tracing
+    with cpu_kernels.use_cpu_kernels(enabled):
+      lowered = sampling.decode.lower(
+          params, config, *sampling.prefill(params, config, prompts, lengths, 20), None,
+          sampling.SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=()))
+      assert ("longhorizon_decode_attention" in lowered.as_text()) == enabled
+      results[enabled] = _decode(config, params, prompts, lengths, 12, seed=5)
+  jax.clear_caches()
+  on, off = results[True], results[False]
+  np.testing.assert_array_equal(np.asarray(on.tokens), np.asarray(off.tokens))
+  np.testing.assert_allclose(np.asarray(on.logprobs), np.asarray(off.logprobs), atol=1e-5)
+  np.testing.assert_allclose(np.asarray(on.last_logits), np.asarray(off.last_logits), atol=1e-5)
+
+
+def test_unbuildable_kernel_falls_back_with_the_reason(monkeypatch, tmp_path):
+  monkeypatch.setattr(cpu_kernels, "_state", {"loaded": False, "error": None})
+  monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+  monkeypatch.setenv("LONGHORIZON_KERNEL_CACHE", str(tmp_path / "cache"))
+  assert not cpu_kernels.available()
+  assert "no-such-compiler" in cpu_kernels.build_error()
+  # The model still decodes, on the XLA path.
+  config = models.tiny_config(vocab_size=31)
+  params = models.init_params(config, jax.random.key(0))
+  jax.clear_caches()
+  out = llama.cached_forward(params, config, jnp.ones((2, 1), jnp.int32),
+                             models.init_cache(config, 2, 4))
+  assert np.isfinite(np.asarray(out.hidden)).all()
+  jax.clear_caches()
+
+
+def test_switched_off_by_environment(monkeypatch):
+  monkeypatch.setenv("LONGHORIZON_CPU_KERNELS", "0")
+  assert not cpu_kernels.available()
+  monkeypatch.setenv("LONGHORIZON_CPU_KERNELS", "1")
+  assert cpu_kernels.available()
+
+
+def test_loading_the_kernel_keeps_subnormal_floats():
+  # A library linked with -ffast-math switches the process to flush-to-zero when it loads.
+  assert cpu_kernels.available()
+  tiny = np.finfo(np.float64).smallest_subnormal
+  assert tiny > 0.0 and tiny / 2.0 == 0.0 and tiny * 2.0 > tiny
+  assert np.float32(1e-45) > 0  # float32 subnormal
