@@ -1,6 +1,11 @@
 """The CPU decode-attention kernel (`models.cpu_kernels`): NumPy reference, prefix-only reads, the
 model path it replaces, and the fallback when it cannot be built."""
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -148,3 +153,41 @@ def test_loading_the_kernel_keeps_subnormal_floats():
   tiny = np.finfo(np.float64).smallest_subnormal
   assert tiny > 0.0 and tiny / 2.0 == 0.0 and tiny * 2.0 > tiny
   assert np.float32(1e-45) > 0  # float32 subnormal
+
+
+_SHARDED_DECODE = """
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from longhorizon import models, sampling
+from longhorizon.models import cpu_kernels
+assert cpu_kernels.available() and len(jax.devices()) == 8
+config = models.tiny_config(vocab_size=61, hidden_size=576, num_attention_heads=9,
+                            num_key_value_heads=3, intermediate_size=96)
+params = models.prepare_decode_params(models.init_params(config, jax.random.key(3)), config)
+prompts = np.random.default_rng(2).integers(0, 61, (8, 8)).astype(np.int32)
+lengths = np.array([8, 1, 5, 3, 2, 7, 6, 4], np.int32)
+rule = sampling.SamplingParams(temperature=0.0, max_new_tokens=6, stop_token_ids=())
+mesh = Mesh(np.array(jax.devices()), ("data",))
+def run(shard):
+  cache, logits = sampling.prefill(params, config, prompts, lengths, 16)
+  if shard:  # rows over 8 devices
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data") if x.ndim else P()))
+    cache, logits = jax.tree.map(put, cache), put(logits)
+  out = sampling.decode(params, config, cache, logits, None, rule)
+  assert "longhorizon_decode_attention" in sampling.decode.lower(
+      params, config, cache, logits, None, rule).as_text()
+  return np.asarray(out.tokens), np.asarray(out.last_logits)
+(t0, l0), (t1, l1) = run(False), run(True)
+print("RESULT", int((t0 == t1).all()), float(np.abs(l0 - l1).max()))
+"""
+
+
+def test_decode_with_rows_sharded_over_eight_devices_equals_one_device():
+  # The custom call has no sharding rule of its own; XLA's partitioner must still give the same
+  # tokens when the cache's rows are sharded over the `data` axis.
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  result = subprocess.run([sys.executable, "-c", _SHARDED_DECODE], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=pathlib.Path(__file__).parents[2])
+  assert result.returncode == 0, result.stderr[-3000:]
+  _, same, diff = [l for l in result.stdout.splitlines() if l.startswith("RESULT")][0].split()
+  assert same == "1" and float(diff) < 1e-5
