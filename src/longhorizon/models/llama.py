@@ -394,7 +394,7 @@ def cached_forward(params, config: ModelConfig, tokens, cache: KVCache, position
     compute_logits: also return `[B, T, V]` float32 logits.
     rope: optional `rope_tables(positions, config)`, computed by the caller (then `positions` is
       unused). A decode loop passes slices of one table built before the loop: computed here, XLA:CPU
-      fused the cos/sin into every layer's rotation and evaluated them 30 times a step.
+      fused the cos/sin into every layer's rotation and evaluated them once per layer.
   """
   params = prepare_decode_params(params, config)
   b, t = tokens.shape
