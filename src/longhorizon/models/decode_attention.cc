@@ -22,7 +22,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <thread>
@@ -60,27 +59,16 @@ struct Dims {
   int64_t b, kv, g, hd, s;
 };
 
-constexpr int kLanes = 16;  // independent partial sums per dot product (one AVX-512 register)
-
 // scores[g, s] = q[g, :] . k[s, :] for s < n. The pair's keys are one contiguous [n, hd] block, read
-// front to back once; each dot product keeps 16 partial sums (vectorised without reassociation).
+// front to back once (the dot products vectorise: the library is built with -fassociative-math).
 template <int G>
 void Scores(const float* q, const float* k, int32_t n, int64_t hd, int64_t s_cap, float* scores) {
-  const int64_t body = hd - hd % kLanes;
   for (int32_t s = 0; s < n; ++s) {
     const float* ks = k + s * hd;
     for (int g = 0; g < G; ++g) {
       const float* qg = q + g * hd;
-      float acc[kLanes] = {};
-      for (int64_t d0 = 0; d0 < body; d0 += kLanes) {
-        for (int i = 0; i < kLanes; ++i) acc[i] += qg[d0 + i] * ks[d0 + i];
-      }
-      // Pairwise (tree) sum of the lanes: vector shuffles, not a 16-step dependent chain.
-      for (int width = kLanes / 2; width >= 1; width /= 2) {
-        for (int i = 0; i < width; ++i) acc[i] += acc[i + width];
-      }
-      float total = acc[0];
-      for (int64_t d = body; d < hd; ++d) total += qg[d] * ks[d];
+      float total = 0.0f;
+      for (int64_t d = 0; d < hd; ++d) total += qg[d] * ks[d];
       scores[g * s_cap + s] = total;
     }
   }
