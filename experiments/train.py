@@ -3,11 +3,15 @@ r"""Trains a policy: SFT warm start, then RL, then evaluation (see `longhorizon.
     python experiments/train.py --config=configs/default.py --workdir=/tmp/lh_default \
         [--config.num_updates=40] [--config.algorithm.name=gigpo] ...
 
-Rerunning with the same --workdir resumes from the last checkpoint. The config is validated before
-anything is built: a wrong value names the field and the allowed values.
+Rerunning with the same --workdir resumes from the last checkpoint (the newest one that restores;
+a damaged one is set aside), with the same config: changes to fields that are fixed for a run are
+refused with the diff. `--init_from=OTHER_WORKDIR` starts a new run from another run's checkpoint.
+The config is validated before anything is built: a wrong value names the field and the allowed
+values. A workdir is used by one run at a time (a lock file names the owner).
 """
 
 import os
+import sys
 
 from absl import app
 from absl import flags
@@ -15,10 +19,18 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
+from longhorizon.train import config as config_lib
 from longhorizon.train import loop
+from longhorizon.train import workdir as workdir_lib
+from longhorizon.train.checkpoints import CheckpointError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and results.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and results "
+                                "(relative paths and ~ work; one run at a time: it is locked).")
+_INIT_FROM = flags.DEFINE_string(
+    "init_from", None, "Start a new run from another run's workdir: its newest checkpoint's policy "
+    "parameters, with this config's algorithm and optimiser (e.g. several algorithms from one warm "
+    "start). Recorded in init_from.json and eval.json.")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None,
                                    "Multi-host: host:port of process 0 (or JAX_COORDINATOR_ADDRESS).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
@@ -75,7 +87,14 @@ def main(argv):
   maybe_initialize_distributed()
   logging.info("JAX devices: %s (process %d of %d)", jax.devices(), jax.process_index(),
                jax.process_count())
-  result = loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value, hook=crash_hook())
+  try:
+    config_lib.validate(_CONFIG.value)
+    result = loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value, hook=crash_hook(),
+                                     init_from=_INIT_FROM.value)
+  except (config_lib.ConfigError, workdir_lib.WorkdirError, CheckpointError) as e:
+    # A config field or a workdir the user can fix: the message names it; no traceback.
+    logging.error("%s", e)
+    sys.exit(2)
   print("final:", {k: result[k] for k in ("success_rate", "warm_start_success_rate",
                                           "greedy_success_rate")})
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from longhorizon.train.checkpoints import Checkpointer
+from longhorizon.train.checkpoints import Checkpointer, CheckpointError
 
 _LOGGER = "longhorizon.train.checkpoints"
 
@@ -127,7 +127,7 @@ def test_resharding_on_eight_devices(tmp_path):
   script = textwrap.dedent(f"""
       import jax, jax.numpy as jnp, numpy as np
       from jax.sharding import NamedSharding, PartitionSpec as P
-      from longhorizon.train.checkpoints import Checkpointer
+      from longhorizon.train.checkpoints import Checkpointer, CheckpointError
       assert jax.device_count() == 8
       mesh = jax.make_mesh((8,), ("d",))
       put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
@@ -216,36 +216,71 @@ def collect_garbage():
   gc.collect()
 
 
+def _delete_keys_item(folder):
+  shutil.rmtree(pathlib.Path(folder, "prng_keys"))
+
+
+def _delete_state_files(folder):
+  for p in pathlib.Path(folder, "state").rglob("*"):
+    if p.is_file():
+      p.unlink()
+
+
+def _scramble_one_file(folder):
+  data = sorted(p for p in pathlib.Path(folder, "state").rglob("*") if p.is_file()
+                and p.parent.name == "d")
+  path = data[0]
+  raw = bytearray(path.read_bytes())
+  raw[len(raw) // 2:] = bytes(255 - b for b in raw[len(raw) // 2:])
+  path.write_bytes(bytes(raw))
+
+
 @pytest.mark.usefixtures("collect_garbage")
-@pytest.mark.parametrize("damage", [_truncate_files, _delete_array_data])
+@pytest.mark.parametrize("damage", [_truncate_files, _delete_array_data, _delete_keys_item,
+                                    _delete_state_files, _scramble_one_file])
 @_orbax_read_error_noise
-def test_damaged_latest_falls_back_to_previous(tmp_path, caplog, damage):
-  _save_steps(tmp_path, [1, 2, 3])
-  damage(tmp_path / "3")
-  with Checkpointer(tmp_path) as ckpt:
+def test_damaged_latest_falls_back_to_previous_and_is_set_aside(tmp_path, caplog, damage):
+  root = tmp_path / "checkpoints"
+  _save_steps(root, [1, 2, 3])
+  damage(root / "3")
+  damaged_files = sorted(str(p.relative_to(root / "3")) for p in (root / "3").rglob("*"))
+  with Checkpointer(root) as ckpt:
     assert ckpt.latest_step() == 3  # committed; the damage shows only when reading
     with caplog.at_level(logging.WARNING, logger=_LOGGER):
       state, meta = ckpt.restore(template=_state())
     assert ckpt.restored_step == 2 and meta == {"step": 2}
     _assert_same(state, _state(2))
     warnings = [r.getMessage() for r in caplog.records if r.name == _LOGGER]
-    assert len(warnings) == 1 and "step 3" in warnings[0] and "could not be restored" in warnings[0]
+    assert len(warnings) == 2, warnings
+    assert "step 3" in warnings[0] and "could not be restored" in warnings[0]
     assert "Error" in warnings[0]  # the error's type is named
+    assert "step 3" in warnings[1] and "moved it to" in warnings[1] and "not deleted" in warnings[1]
 
-    # An explicit request for the damaged step raises, naming it.
-    with pytest.raises(Exception) as info:
+    # The damaged step is kept, whole, beside the checkpoints (not deleted), and no longer a step.
+    aside = list((tmp_path / "checkpoints.damaged").iterdir())
+    assert len(aside) == 1 and aside[0].name.startswith("3.")
+    assert sorted(str(p.relative_to(aside[0])) for p in aside[0].rglob("*")) == damaged_files
+    assert ckpt.latest_step() == 2
+    with pytest.raises(FileNotFoundError, match="no checkpoint step 3"):
       ckpt.restore(3, template=_state())
-    assert any("step 3" in note for note in getattr(info.value, "__notes__", []))
 
-    # The resumed run saves step 3 again over the damaged one.
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger=_LOGGER):
-      assert ckpt.save(3, _state(30), {"step": 3})
-    assert any("deleting checkpoint step 3" in r.getMessage() for r in caplog.records)
-  with Checkpointer(tmp_path) as ckpt:
+    # The resumed run saves step 3 again.
+    assert ckpt.save(3, _state(30), {"step": 3})
+  with Checkpointer(root) as ckpt:
     state, meta = ckpt.restore(template=_state())
   assert ckpt.restored_step == 3
   _assert_same(state, _state(30))
+
+
+@pytest.mark.usefixtures("collect_garbage")
+@_orbax_read_error_noise
+def test_explicit_damaged_step_raises_naming_it(tmp_path):
+  _save_steps(tmp_path, [1, 2])
+  _truncate_files(tmp_path / "2")
+  with Checkpointer(tmp_path) as ckpt:
+    with pytest.raises(Exception) as info:
+      ckpt.restore(2, template=_state())
+    assert any("step 2" in note for note in getattr(info.value, "__notes__", []))
 
 
 @pytest.mark.usefixtures("collect_garbage")
@@ -255,7 +290,7 @@ def test_every_step_damaged_raises_with_each_error(tmp_path):
   _truncate_files(tmp_path / "1")
   _truncate_files(tmp_path / "2")
   with Checkpointer(tmp_path) as ckpt:
-    with pytest.raises(RuntimeError, match=r"could be restored \(step 2: .*; step 1: "):
+    with pytest.raises(CheckpointError, match=r"could be restored \(step 2: .*; step 1: "):
       ckpt.restore(template=_state())
 
 
@@ -279,10 +314,13 @@ def test_crash_mid_save_leaves_previous_step_restorable(tmp_path, caplog):
                for r in caplog.records)
     with pytest.raises(ValueError, match="step 4 .* is incomplete"):
       ckpt.restore(4)
-    # Saving the next step removes the incomplete folder that would block it.
+    # Saving the next step moves the incomplete folder that would block it aside (kept).
     assert ckpt.save(3, _state(3), {"step": 3})
     ckpt.wait()
     assert not (tmp_path / "4").exists()
+    aside = list(ckpt.quarantine.iterdir())
+    assert [p.name.split(".")[0] for p in aside] == ["4"]
+    assert (aside[0] / "state" / "_METADATA").exists()
     assert not tmp_folder.exists()  # orbax removes it in the background, awaited by the first save
     assert ckpt.latest_step() == 3
 

@@ -61,6 +61,9 @@ class Algorithm:
   fn: Callable[[EpisodeBatch, jax.Array | None, AlgorithmOptions, jax.Array], Advantages]
   needs_critic: bool = False
   default_agg: str = "token-mean"
+  # Rollouts per task the estimator needs to give a non-zero advantage: 2 for the group-relative
+  # ones (a group of one is its own baseline: every advantage is 0 and nothing is learned).
+  min_group_size: int = 1
 
 
 ALGORITHMS: dict[str, Algorithm] = {}
@@ -154,11 +157,11 @@ def _ppo(batch, values, options, weight):
   return Advantages(a * mask, returns, weight)
 
 
-register(Algorithm("grpo", _grpo))
-register(Algorithm("drgrpo", _drgrpo, default_agg="seq-mean-token-sum-norm"))
-register(Algorithm("rloo", _rloo))
-register(Algorithm("reinforce_pp", _reinforce_pp))
-register(Algorithm("gigpo", _gigpo))
+register(Algorithm("grpo", _grpo, min_group_size=2))
+register(Algorithm("drgrpo", _drgrpo, default_agg="seq-mean-token-sum-norm", min_group_size=2))
+register(Algorithm("rloo", _rloo, min_group_size=2))
+register(Algorithm("reinforce_pp", _reinforce_pp, min_group_size=2))
+register(Algorithm("gigpo", _gigpo, min_group_size=2))
 register(Algorithm("ppo", _ppo, needs_critic=True))
 
 

@@ -20,8 +20,9 @@ next Checkpointer on that directory (in the background; its first save waits for
 folder without `commit_success.txt` (hand-made, a copy cut short) is not counted by `latest_step()`
 and is skipped by `restore()`; a committed step whose files are damaged fails to restore, and
 `restore()` falls back to the newest older step that does, logging a warning that names the bad step
-and the error. Bad or incomplete steps at or after a step being saved are deleted first, so a
-resumed run can write that step again.
+and the error, and moves the bad step's folder aside to `<directory>.damaged/<step>.<time>/` (kept,
+never deleted), so a resumed run can write that step again. Incomplete steps at or after a step
+being saved are moved there too.
 
 Saving is asynchronous: `save` returns once the arrays are copied to host memory (so the caller may
 donate or overwrite `state` right after), and the files are written in a background thread. `wait()`
@@ -43,6 +44,7 @@ from __future__ import annotations
 import logging
 import operator
 import os
+import time
 from typing import Any, Mapping
 
 import jax
@@ -52,7 +54,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-__all__ = ["Checkpointer"]
+__all__ = ["Checkpointer", "CheckpointError"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +72,14 @@ def _describe(e: Exception) -> str:
   if len(text) > _MAX_ERROR_CHARS:
     text = text[:_MAX_ERROR_CHARS] + " ..."
   return f"{type(e).__name__}: {text}"
+
+
+def _absolute(directory: PathLike) -> str:
+  """A local path made absolute (`~` expanded; orbax refuses relative paths); URLs unchanged."""
+  directory = os.fspath(directory)
+  if "://" in directory:
+    return directory
+  return os.path.abspath(os.path.expanduser(directory))
 
 
 # --------------------------------------------------------------------------------------- PRNG keys
@@ -207,6 +217,10 @@ def _to_json(value, where: str):
 
 # ------------------------------------------------------------------------------------ Checkpointer
 
+class CheckpointError(RuntimeError):
+  """No checkpoint of a directory can be restored (the message names each step and its error)."""
+
+
 class _TemplateMismatchError(ValueError):
   """The restore template does not fit the checkpoint (a caller error, not a damaged step)."""
 
@@ -215,7 +229,8 @@ class Checkpointer:
   """Saves and restores `(state, meta)` per training step under one directory (see module doc).
 
   Args:
-    directory: root folder of the step folders; created if missing (local path or `gs://...`).
+    directory: root folder of the step folders; created if missing (a local path, relative or with
+      `~`, is made absolute; or `gs://...`).
     max_to_keep: number of newest steps kept on disk (older ones are deleted after a save); None
       keeps all.
     save_interval_steps: `save` writes only steps that are multiples of this (unless `force`) and
@@ -231,7 +246,7 @@ class Checkpointer:
       raise ValueError(f"max_to_keep must be >= 1 or None (keep all), got {max_to_keep}.")
     if save_interval_steps < 1:
       raise ValueError(f"save_interval_steps must be >= 1, got {save_interval_steps}.")
-    self.directory = epath.Path(directory)
+    self.directory = epath.Path(_absolute(directory))
     policies = ocp.checkpoint_managers
     options = ocp.CheckpointManagerOptions(
         # Orbax's default policy also saves the first step of a run whatever its number
@@ -263,17 +278,43 @@ class Checkpointer:
 
   # -------------------------------------------------------------------------------------- saving
 
-  def _delete_bad_steps(self, from_step: int):
-    """Deletes incomplete or damaged steps >= `from_step`, which would block saving it again."""
+  @property
+  def quarantine(self) -> epath.Path:
+    """Where damaged or incomplete steps are moved (`<directory>.damaged/`); nothing is deleted."""
+    return self.directory.parent / f"{self.directory.name}.damaged"
+
+  def _set_aside(self, steps: list[int], why: Mapping[int, str]):
+    """Moves `steps` out of the step folders into `quarantine` (process 0), keeping their files."""
+    if not steps:
+      return
+    if jax.process_index() == 0:
+      self.quarantine.mkdir(parents=True, exist_ok=True)
+      stamp = time.strftime("%Y%m%d-%H%M%S")
+      for s in steps:
+        target = self.quarantine / f"{s}.{stamp}"
+        try:
+          (self.directory / str(s)).rename(target)
+        except OSError as e:  # e.g. deleted meanwhile by the run that owns the directory
+          logger.warning("checkpoint step %d in %s is %s but could not be moved aside (%s).", s,
+                         self.directory, why[s], _describe(e))
+          continue
+        logger.warning("checkpoint step %d in %s is %s; moved it to %s (kept for inspection, "
+                       "not deleted).", s, self.directory, why[s], target)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"longhorizon.checkpoints.set_aside.{steps}")
+    self._bad_steps.difference_update(steps)
+    self._manager.reload()
+
+  def _set_aside_bad_steps(self, from_step: int):
+    """Sets aside incomplete or damaged steps >= `from_step`, which would block saving it again."""
+    bad, why = [], {}
     for s in sorted(self._manager.all_steps()):
       if s < from_step or s in self._saved_steps:
         continue
       if s in self._bad_steps or not self._is_committed(s):
-        why = "damaged" if s in self._bad_steps else f"incomplete (no {_COMMIT_FILE})"
-        logger.warning("deleting checkpoint step %d in %s: it is %s and step %d is being saved.",
-                       s, self.directory, why, from_step)
-        self._manager.delete(s)
-        self._bad_steps.discard(s)
+        bad.append(s)
+        why[s] = "damaged" if s in self._bad_steps else f"incomplete (no {_COMMIT_FILE})"
+    self._set_aside(bad, why)
 
   def save(self, step: int, state: Any, meta: Mapping[str, Any], force: bool = False) -> bool:
     """Saves `state` and `meta` as `step` if it is due; returns whether a save was started.
@@ -291,7 +332,7 @@ class Checkpointer:
     """
     step = operator.index(step)
     meta = _to_json(dict(meta), "meta")
-    self._delete_bad_steps(step)
+    self._set_aside_bad_steps(step)
     data, keys = _split_keys(state)
     data = jax.tree.map(_replicated_across_processes, data)
     args = ocp.args.Composite(**{_STATE: ocp.args.StandardSave(data),
@@ -385,9 +426,10 @@ class Checkpointer:
             np.int32(s), f"processes restored different checkpoint steps from {self.directory} "
             f"(this one: {s}); is the directory on a file system every process sees?")
       self.restored_step = s
+      self._set_aside([b for b, _ in errors], {b: f"damaged ({_describe(e)})" for b, e in errors})
       return state, meta
     summary = "; ".join(f"step {s}: {_describe(e)}" for s, e in errors)
-    raise RuntimeError(f"none of the checkpoints in {self.directory} could be restored "
+    raise CheckpointError(f"none of the checkpoints in {self.directory} could be restored "
                        f"({summary}); if every step fails the same way, check that `template` "
                        f"matches the saved state.") from errors[0][1]
 

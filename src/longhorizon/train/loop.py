@@ -50,6 +50,7 @@ from longhorizon.envs import tasks as task_suites
 from longhorizon.models import ModelConfig, init_params, tiny_config
 from longhorizon.train import algorithms
 from longhorizon.train import config as config_lib
+from longhorizon.train import workdir as workdir_lib
 from longhorizon.train.checkpoints import Checkpointer
 from longhorizon.train.metrics import MetricsWriter, Progress, Timer
 from longhorizon.train.update import (TrainState, critic_values, episode_logprobs, make_optimizer,
@@ -423,45 +424,145 @@ def collapse_alarms(config, metrics: dict) -> dict:
 
 # ------------------------------------------------------------------------------------------ main
 
-def train_and_evaluate(config, workdir: str, *, hook=None) -> dict:
-  """Runs (or resumes) the configured experiment in `workdir` (see `_train_and_evaluate`)."""
-  s = setup(config)
-  with in_mesh(s):
-    return _train_and_evaluate(s, config, workdir, hook=hook)
+def train_and_evaluate(config, workdir: str, *, hook=None, init_from: str | None = None) -> dict:
+  """Runs (or resumes) the configured experiment in `workdir` (see `_train_and_evaluate`).
+
+  `workdir` may be relative or start with `~`; it is made absolute first. The run holds the
+  workdir's lock (`train/workdir.py`) from before set-up to the end, so a second run on the same
+  workdir refuses at once. `init_from` (another run's workdir) starts a new run from that run's
+  newest restorable checkpoint (see `start_from`); it is ignored on resume when it names the run
+  the workdir was started from, and refused otherwise.
+  """
+  config_lib.validate(config)
+  workdir = workdir_lib.resolve(workdir)
+  with workdir_lib.WorkdirLock(workdir):
+    s = setup(config)
+    with in_mesh(s):
+      return _train_and_evaluate(s, config, workdir, hook=hook, init_from=init_from)
 
 
-def _train_and_evaluate(s: Setup, config, workdir: str, *, hook=None) -> dict:
+def new_run(s: Setup, state: TrainState, config) -> tuple[TrainState, dict]:
+  """The warm start of a new run: SFT on oracle episodes, then its evaluation. `(state, meta)`."""
+  logging.info("New run: warm start by SFT for %d steps on %d oracle episodes.", config.sft.steps,
+               config.sft.episodes)
+  state, sft_metrics = warm_start(s, state)
+  state = with_reference(s, state)
+  warm = _evaluate_both(s, state.params, config.seed + 17, full=True)
+  # RL tasks start after the SFT tasks, so the first updates do not replay the demonstrations.
+  meta = {"update": 0, "data_position": config.sft.episodes if config.sft.steps else 0,
+          "warm_start": warm, "sft": sft_metrics}
+  logging.info("Warm start: sampled success %.3f, greedy %.3f.", warm["success_rate"],
+               warm["greedy_success_rate"])
+  return state, meta
+
+
+# Fields that decide the policy's parameter shapes and vocabulary: a run started from another run's
+# checkpoint (`start_from`) must agree with it on these.
+_PARAMETER_FIELDS = ("model.", "env.name", "env.style")
+
+
+def start_from(s: Setup, state: TrainState, source: str) -> tuple[TrainState, dict]:
+  """A new run from another run's checkpoint: its parameters, this run's everything else.
+
+  The policy parameters come from the newest restorable checkpoint of the workdir `source`; the
+  optimiser state, critic, PRNG streams and update count start fresh from this config (so one warm
+  start can be trained on by several algorithms, each in its own workdir). The KL reference is the
+  loaded policy. The data position continues from the source's (RL tasks after its SFT tasks).
+  The starting policy is evaluated as this run's warm start; `meta["init_from"]` records the source.
+  """
+  src = workdir_lib.resolve(source)
+  src_config = os.path.join(src, workdir_lib.CONFIG_FILE)
+  if not os.path.exists(src_config):
+    raise workdir_lib.WorkdirError(f"--init_from={source}: {src_config} does not exist; give the workdir "
+                            f"of a training run (it holds config.json and checkpoints/).")
+  with open(src_config, encoding="utf-8") as f:
+    saved = json.load(f)
+  diff = {k: v for k, v in workdir_lib.config_diff(saved, s.config).items()
+          if any(k == f or (f.endswith(".") and k.startswith(f)) for f in _PARAMETER_FIELDS)}
+  if diff:
+    lines = "\n".join(f"  {k}: {a!r} (source) -> {b!r} (now)" for k, (a, b) in diff.items())
+    raise workdir_lib.WorkdirError(f"--init_from={source}: the source run's model or tokenizer differs from this "
+                     f"config's:\n{lines}\nUse the source's values for these fields.")
+  checkpointer = Checkpointer(os.path.join(src, "checkpoints"))
+  if checkpointer.latest_step() is None:
+    raise workdir_lib.WorkdirError(f"--init_from={source}: no checkpoint in {src}/checkpoints yet.")
+  saved_state, src_meta = checkpointer.restore()
+  step = checkpointer.restored_step
+  checkpointer.close()
+  params = saved_state["params"]
+  expected = jax.tree_util.tree_flatten_with_path(state.params)[0]
+  got = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+  for path, leaf in expected:
+    if path not in got or np.shape(got[path]) != leaf.shape:
+      raise workdir_lib.WorkdirError(f"--init_from={source}: parameter {jax.tree_util.keystr(path)} has shape "
+                       f"{np.shape(got.get(path))} in step {step} of {src}, this config builds "
+                       f"{leaf.shape}.")
+  params = jax.tree.map(lambda t, x: jax.device_put(jnp.asarray(x, t.dtype), t.sharding),
+                        state.params, params)
+  state = with_reference(s, state.replace(params=params, opt_state=s.optimizer.init(params)))
+  origin = {"workdir": src, "step": step, "update": src_meta.get("update"),
+            "algorithm": saved.get("algorithm", {}).get("name")}
+  logging.info("New run from %s (checkpoint step %d, %s): evaluating the starting policy.", src,
+               step, origin["algorithm"])
+  warm = _evaluate_both(s, state.params, s.config.seed + 17, full=True)
+  meta = {"update": 0, "data_position": int(src_meta.get("data_position", 0)),
+          "warm_start": warm, "sft": src_meta.get("sft", {}), "init_from": origin}
+  return state, meta
+
+
+def _check_init_from(workdir: str, init_from: str | None, meta: dict):
+  """On resume, `init_from` must name the run this workdir was started from (or be absent)."""
+  if init_from is None:
+    return
+  origin = (meta.get("init_from") or {}).get("workdir")
+  if origin != workdir_lib.resolve(init_from):
+    raise workdir_lib.WorkdirError(f"--init_from={init_from}: {workdir} already holds checkpoints of a run "
+                     f"started from {origin or 'its own warm start'}; --init_from only starts a new "
+                     f"run. Drop the flag to resume it, or use a new --workdir.")
+
+
+def _resume_message(checkpointer: Checkpointer, latest: int, meta: dict, config) -> str:
+  start = int(meta["update"])
+  text = f"Resuming from checkpoint step {checkpointer.restored_step} (update {start} of " \
+         f"{config.num_updates})"
+  if checkpointer.restored_step != latest:
+    text += (f"; the newest step {latest} could not be restored and was set aside, so updates "
+             f"{start + 1}..{latest} are computed again")
+  if start >= config.num_updates:
+    text += "; every update is done: only the final evaluation runs"
+  return text + "."
+
+
+def _train_and_evaluate(s: Setup, config, workdir: str, *, hook=None, init_from=None) -> dict:
   """Runs (or resumes) the configured experiment in `workdir`; returns the final `eval.json` dict.
 
   `hook(point, update)`, if given, is called at `"rollout"`, `"update"` and `"checkpoint"` (after a
   save has started) of every update; the process-kill tests use it to die at a chosen point.
   """
   hook = hook or (lambda point, update: None)
-  os.makedirs(workdir, exist_ok=True)
   primary = jax.process_index() == 0
-  if primary:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2, sort_keys=True))
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
                               max_to_keep=config.keep_checkpoints)
   state = initial_state(s)
   latest = checkpointer.latest_step()
+  # Compared before anything is written: an incompatible config is refused with the diff.
+  changes = workdir_lib.check_config(workdir, config, resuming=latest is not None)
   if latest is None:
-    logging.info("Warm start: SFT for %d steps on %d oracle episodes.", config.sft.steps,
-                 config.sft.episodes)
-    state, sft_metrics = warm_start(s, state)
-    state = with_reference(s, state)
-    warm = _evaluate_both(s, state.params, config.seed + 17, full=True)
-    # RL tasks start after the SFT tasks, so the first updates do not replay the demonstrations.
-    meta = {"update": 0, "data_position": config.sft.episodes if config.sft.steps else 0,
-            "warm_start": warm, "sft": sft_metrics}
+    workdir_lib.save_config(workdir, config, 0)
+    if init_from is None:
+      state, meta = new_run(s, state, config)
+    else:
+      state, meta = start_from(s, state, init_from)
+      if primary:
+        with open(os.path.join(workdir, "init_from.json"), "w") as f:
+          json.dump(meta["init_from"], f, indent=2, sort_keys=True)
     checkpointer.save(0, state, meta, force=True)
     checkpointer.wait()
-    logging.info("Warm start: sampled success %.3f, greedy %.3f.", warm["success_rate"],
-                 warm["greedy_success_rate"])
   else:
-    state, meta = checkpointer.restore(latest, template=with_reference(s, state))
-    logging.info("Resuming from update %d (checkpoint in %s).", meta["update"], workdir)
+    state, meta = checkpointer.restore(template=with_reference(s, state))
+    _check_init_from(workdir, init_from, meta)
+    logging.warning("%s", _resume_message(checkpointer, latest, meta, config))
+    workdir_lib.save_config(workdir, config, int(meta["update"]), changes)
   start, data_position = int(meta["update"]), int(meta["data_position"])
   # metrics.jsonl numbers updates from 1: drop lines after the checkpoint (updates > start).
   writer = MetricsWriter(workdir, tensorboard=config.tensorboard, is_primary=primary,
@@ -540,7 +641,7 @@ def _train_and_evaluate(s: Setup, config, workdir: str, *, hook=None) -> dict:
                  "split": config.eval.split, "eval_tasks": config.eval.num_tasks,
                  "attempts_per_task": config.eval.k, "temperature": config.rollout.temperature,
                  "num_updates": config.num_updates, "env": config.env.name,
-                 "algorithm": config.algorithm.name})
+                 "algorithm": config.algorithm.name, "init_from": meta.get("init_from")})
   if primary:
     with open(os.path.join(workdir, "eval.json"), "w") as f:
       json.dump(result, f, indent=2, sort_keys=True)

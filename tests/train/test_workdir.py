@@ -1,0 +1,243 @@
+"""The workdir of a run: any path a user types works, one run at a time (a lock), a resumed run
+keeps its config (changes that cannot apply are refused with the diff, the others recorded), a
+damaged newest checkpoint falls back, and `--init_from` starts a new run from another's checkpoint.
+The subprocess tests run experiments/train.py (and scripts/main.sh) as a user would."""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from configs import default as default_config
+from longhorizon.train import config as config_lib
+from longhorizon.train import workdir as workdir_lib
+from longhorizon.train.metrics import read_metrics
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SMOKE = ["--config=configs/default.py:smoke", "--config.tensorboard=False",
+         "--config.eval.num_tasks=8"]
+
+
+# ------------------------------------------------------------------------------------ in-process
+
+def test_resolve_makes_every_typed_path_absolute(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  assert workdir_lib.resolve("results/default") == str(tmp_path / "results" / "default")
+  assert workdir_lib.resolve("~/runs/a") == str(tmp_path / "home" / "runs" / "a")
+  assert workdir_lib.resolve("x/../y/./z") == str(tmp_path / "y" / "z")
+  assert workdir_lib.resolve("gs://bucket/run") == "gs://bucket/run"
+  with pytest.raises(ValueError, match="--workdir"):
+    workdir_lib.resolve("")
+
+
+def test_lock_refuses_a_second_owner_and_names_the_first(tmp_path):
+  with workdir_lib.WorkdirLock(str(tmp_path)):
+    owner = json.loads((tmp_path / ".lock").read_text())
+    assert owner["pid"] == os.getpid() and owner["host"]
+    with pytest.raises(workdir_lib.WorkdirLockedError, match=f"pid {os.getpid()} on host"):
+      workdir_lib.WorkdirLock(str(tmp_path)).acquire()
+  # Released: the next run takes it.
+  with workdir_lib.WorkdirLock(str(tmp_path)):
+    pass
+
+
+def test_stale_lock_of_a_killed_run_is_taken_over(tmp_path):
+  # A run killed with -9 leaves its lock file behind, but the kernel released its flock.
+  child = subprocess.run(
+      [sys.executable, "-c", "import os, sys; sys.path.insert(0, 'src');"
+       "from longhorizon.train import workdir as w; w.WorkdirLock(sys.argv[1]).acquire();"
+       "os.kill(os.getpid(), 9)", str(tmp_path)], cwd=ROOT)
+  assert child.returncode == -9
+  stale = json.loads((tmp_path / ".lock").read_text())
+  assert stale["pid"] != os.getpid()
+  with workdir_lib.WorkdirLock(str(tmp_path)):
+    assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
+
+
+def _config(**changes):
+  config = default_config.get_config("smoke")
+  config.unlock()
+  for path, value in changes.items():
+    config_lib.set_path(config, path, value)
+  return config
+
+
+def test_config_check_refuses_fixed_fields_with_the_diff_and_records_allowed_ones(tmp_path):
+  work = str(tmp_path)
+  assert workdir_lib.check_config(work, _config(), resuming=False) == {}
+  workdir_lib.save_config(work, _config(), 0)
+  saved = (tmp_path / "config.json").read_text()
+  assert (tmp_path / "config.0.json").read_text() == saved
+
+  for changes, line in (({"model.hidden_size": 64}, "model.hidden_size: 128 (saved) -> 64 (now)"),
+                        ({"algorithm.name": "rloo"}, "algorithm.name: 'grpo' (saved) -> 'rloo'"),
+                        ({"optim.learning_rate": 1e-3}, "optim.learning_rate: 0.0003 (saved)"),
+                        ({"seed": 3}, "seed: 0 (saved) -> 3 (now)"),
+                        ({"env.params": {"horizon": 4}}, "env.params.horizon: 3 (saved) -> 4")):
+    with pytest.raises(workdir_lib.ConfigMismatchError) as info:
+      workdir_lib.check_config(work, _config(**changes), resuming=True)
+    assert line in str(info.value) and "--init_from" in str(info.value)
+    assert (tmp_path / "config.json").read_text() == saved  # nothing written
+
+  changes = workdir_lib.check_config(work, _config(num_updates=9, **{"eval.k": 4}), resuming=True)
+  assert changes == {"num_updates": (3, 9), "eval.k": (2, 4)}
+  workdir_lib.save_config(work, _config(num_updates=9, **{"eval.k": 4}), 3, changes)
+  assert json.loads((tmp_path / "config.json").read_text())["num_updates"] == 9
+  assert json.loads((tmp_path / "config.3.json").read_text())["num_updates"] == 9
+  assert json.loads((tmp_path / "config.0.json").read_text())["num_updates"] == 3  # history kept
+  # An unchanged resume writes nothing new.
+  workdir_lib.save_config(work, _config(num_updates=9, **{"eval.k": 4}), 5, {})
+  assert not (tmp_path / "config.5.json").exists()
+
+
+def test_unreadable_saved_config_is_named(tmp_path):
+  (tmp_path / "config.json").write_text("{not json")
+  with pytest.raises(workdir_lib.ConfigMismatchError, match="config.json cannot be read"):
+    workdir_lib.check_config(str(tmp_path), _config(), resuming=True)
+
+
+# ---------------------------------------------------------------------------------- subprocesses
+
+def _env(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", LONGHORIZON_DATA=str(tmp_path / "data"),
+             JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+  env.pop("LONGHORIZON_CRASH_AT", None)
+  return env
+
+
+def _train(tmp_path, workdir, *flags, cwd=ROOT):
+  return subprocess.run([sys.executable, str(ROOT / "experiments" / "train.py"),
+                         f"--workdir={workdir}", *SMOKE, *flags], cwd=cwd, env=_env(tmp_path),
+                        capture_output=True, text=True, timeout=900)
+
+
+def _comparable(rows):
+  timing = lambda k: k.startswith(("time", "rollout/")) or k.endswith("_s") or "per_s" in k
+  return [{k: v for k, v in r.items() if not timing(k)} for r in rows]
+
+
+@pytest.mark.slow
+def test_relative_and_home_workdirs(tmp_path):
+  (tmp_path / "cwd" / "sub").mkdir(parents=True)
+  run = _train(tmp_path, "../runs/rel", "--config.num_updates=1", cwd=tmp_path / "cwd" / "sub")
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert (tmp_path / "cwd" / "runs" / "rel" / "eval.json").exists()
+  assert (tmp_path / "cwd" / "runs" / "rel" / "checkpoints" / "1").exists()
+  env = dict(_env(tmp_path), HOME=str(tmp_path / "home"))
+  run = subprocess.run([sys.executable, "experiments/train.py", "--workdir=~/w", *SMOKE,
+                        "--config.num_updates=0"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=900)
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert (tmp_path / "home" / "w" / "eval.json").exists()
+
+
+@pytest.mark.slow
+def test_main_script_exact_command_line_with_its_relative_default_workdir(tmp_path):
+  """`bash scripts/main.sh` as the README writes it, in a copy of the repository (its default
+  WORKDIR is the relative results/default); shortened by extra flags that take the same path."""
+  repo = tmp_path / "repo"
+  shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(".venv", "results", ".git", "*.egg-info",
+                                                            "__pycache__", ".pytest_cache"))
+  (repo / ".venv").symlink_to(ROOT / ".venv")  # the installed environment (setup_env.sh reuses it)
+  script = (repo / "scripts" / "main.sh").read_text()
+  assert 'WORKDIR="${WORKDIR:-results/default}"' in script and '--workdir="$WORKDIR"' in script
+  env = _env(tmp_path)
+  env.pop("WORKDIR", None)
+  run = subprocess.run(["bash", "scripts/main.sh", "--config.num_updates=1", "--config.sft.steps=4",
+                        "--config.eval.num_tasks=8", "--config.eval.k=1",
+                        "--config.tasks.train_size=256", "--config.checkpoint_every=1"],
+                       cwd=repo, env=env, capture_output=True, text=True, timeout=1200)
+  assert run.returncode == 0, run.stderr[-3000:]
+  out = repo / "results" / "default"
+  assert (out / "checkpoints" / "0").exists() and (out / "checkpoints" / "1").exists()
+  assert json.loads((out / "eval.json").read_text())["num_updates"] == 1
+
+
+@pytest.mark.slow
+def test_second_run_on_a_workdir_refuses_naming_the_first(tmp_path):
+  work = tmp_path / "w"
+  first = subprocess.Popen([sys.executable, "experiments/train.py", f"--workdir={work}", *SMOKE,
+                            "--config.num_updates=3"], cwd=ROOT, env=_env(tmp_path),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 300
+  while not ((work / ".lock").exists() and (work / ".lock").read_text()) and time.time() < deadline:
+    time.sleep(0.2)
+  second = _train(tmp_path, work, "--config.num_updates=3")
+  _, first_err = first.communicate(timeout=900)
+  assert first.returncode == 0, first_err[-3000:]
+  assert second.returncode == 2, second.stderr[-3000:]
+  assert f"in use by another run (pid {first.pid} on host" in second.stderr
+  assert "Traceback" not in second.stderr
+  assert [r["update"] for r in read_metrics(str(work))] == [1, 2, 3]  # each update once
+
+
+@pytest.mark.slow
+def test_damaged_newest_checkpoint_falls_back_and_resumes(tmp_path):
+  work = tmp_path / "w"
+  run = _train(tmp_path, work, "--config.num_updates=4", "--config.checkpoint_every=2")
+  assert run.returncode == 0, run.stderr[-3000:]
+  straight = read_metrics(str(work))
+  for path in (work / "checkpoints" / "4").rglob("*"):  # truncate every file of the newest step
+    if path.is_file():
+      path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+  run = _train(tmp_path, work, "--config.num_updates=4", "--config.checkpoint_every=2")
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert "checkpoint step 4" in run.stderr and "could not be restored" in run.stderr
+  assert "Resuming from checkpoint step 2 (update 2 of 4); the newest step 4" in run.stderr
+  aside = list((work / "checkpoints.damaged").iterdir())
+  assert [p.name.split(".")[0] for p in aside] == ["4"] and any(aside[0].rglob("*"))
+  assert (work / "checkpoints" / "4" / "commit_success.txt").exists()  # saved again
+  assert _comparable(read_metrics(str(work))) == _comparable(straight)  # 3 and 4 recomputed
+
+
+@pytest.mark.slow
+def test_resume_with_changed_config_and_init_from(tmp_path):
+  base = tmp_path / "base"
+  run = _train(tmp_path, base, "--config.num_updates=2")
+  assert run.returncode == 0, run.stderr[-3000:]
+  saved = (base / "config.json").read_text()
+
+  # Fields fixed for the life of a run are refused with the diff, before anything is written.
+  for flag, field in (("--config.model.hidden_size=64", "model.hidden_size: 128 (saved) -> 64"),
+                      ("--config.algorithm.name=rloo", "algorithm.name: 'grpo' (saved) -> 'rloo'")):
+    run = _train(tmp_path, base, "--config.num_updates=2", flag)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert field in run.stderr and "Traceback" not in run.stderr
+    assert (base / "config.json").read_text() == saved
+
+  # Allowed changes continue the run and are recorded.
+  run = _train(tmp_path, base, "--config.num_updates=3")
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert "num_updates: 2 -> 3" in run.stderr
+  assert json.loads((base / "config.2.json").read_text())["num_updates"] == 3
+  assert json.loads((base / "config.0.json").read_text())["num_updates"] == 2
+  assert [r["update"] for r in read_metrics(str(base))] == [1, 2, 3]
+
+  # Another algorithm from the same run's checkpoint, in its own workdir.
+  branch = tmp_path / "branch"
+  run = _train(tmp_path, branch, "--config.num_updates=1", "--config.algorithm.name=rloo",
+               f"--init_from={base}")
+  assert run.returncode == 0, run.stderr[-3000:]
+  origin = json.loads((branch / "init_from.json").read_text())
+  assert origin == {"workdir": str(base), "step": 3, "update": 3, "algorithm": "grpo"}
+  result = json.loads((branch / "eval.json").read_text())
+  assert result["algorithm"] == "rloo" and result["init_from"] == origin
+  # Its starting policy is the base run's final one: the same evaluation as the base's final.
+  assert result["warm_start_success_rate"] == json.loads(
+      (base / "eval.json").read_text())["success_rate"]
+  # Rerunning the same command resumes; a different source is refused.
+  run = _train(tmp_path, branch, "--config.num_updates=1", "--config.algorithm.name=rloo",
+               f"--init_from={base}")
+  assert run.returncode == 0, run.stderr[-3000:]
+  run = _train(tmp_path, branch, "--config.num_updates=1", "--config.algorithm.name=rloo",
+               f"--init_from={tmp_path / 'other'}")
+  assert run.returncode == 2 and "--init_from only starts a new run" in run.stderr
+  run = _train(tmp_path, tmp_path / "bad", "--config.model.hidden_size=64", f"--init_from={base}")
+  assert run.returncode == 2 and "model.hidden_size: 128 (source) -> 64 (now)" in run.stderr
