@@ -11,8 +11,11 @@ verification is deterministic, so the three streams stay separate.
     batch = tasks.stack(source, range(64))          # task pytree with a leading [64]
     state, timestep = jax.vmap(env.reset)(keys, batch)
 
-Files live under `data_dir` (default `$LONGHORIZON_DATA` or `~/.cache/longhorizon/tasks`); a
-suite is generated on first use and read back afterwards.
+Files live under `data_dir` (default `$LONGHORIZON_DATA` or `~/.cache/longhorizon/tasks`), in
+`longhorizon_tasks/<suite_name>/1.0.0/`; a suite is generated on first use and read back afterwards.
+`load` checks the files it reads before returning (`dataset_info.json` parses, every record of the
+split passes array_record's chunk checksums, the record counts match): a damaged suite raises
+`CorruptSuiteError` naming the folder to delete, and the next `load` regenerates it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 from typing import Any, Iterable, Mapping
 
 import jax
@@ -30,11 +34,18 @@ import numpy as np
 from longhorizon.envs.base import SPLITS
 from longhorizon.envs.types import hash_tree
 
-__all__ = ["load", "stack", "build", "suite_name", "DEFAULT_SIZES", "default_data_dir"]
+__all__ = ["load", "stack", "build", "suite_name", "suite_dir", "CorruptSuiteError", "DEFAULT_SIZES",
+           "default_data_dir"]
 
 DEFAULT_SIZES = {"train": 2048, "test": 256, "ood": 256}
 _SPLIT_IDS = {"train": 0, "test": 1, "ood": 2}
 _GENERATION_CHUNK = 1024
+# The TFDS dataset folder (TFDS names it after the builder class, LonghorizonTasks) and version.
+_DATASET, _VERSION = "longhorizon_tasks", "1.0.0"
+
+
+class CorruptSuiteError(RuntimeError):
+  """A task suite's files on disk are damaged (the message names the folder to delete)."""
 
 
 def default_data_dir() -> str:
@@ -42,12 +53,24 @@ def default_data_dir() -> str:
 
 
 def suite_name(env_name: str, env_params: Mapping[str, Any], seed: int, sizes: Mapping[str, int],
-               env_version: str) -> str:
-  """The TFDS config name of a suite: readable prefix plus a digest of everything that defines it."""
-  spec = json.dumps({"env": env_name, "params": dict(env_params), "seed": int(seed),
-                     "sizes": dict(sizes), "version": env_version}, sort_keys=True, default=str)
-  digest = hashlib.sha256(spec.encode()).hexdigest()[:12]
-  return f"{env_name}_s{seed}_{digest}"
+               env_version: str, source: str | None = None) -> str:
+  """The TFDS config name (and folder name) of a suite: a readable prefix, the environment's name
+  with every character outside `[A-Za-z0-9_]` replaced by `_`, plus a digest of everything that
+  defines the suite. `source` is the import path of an environment outside the registry
+  (`"package.module:Class"`): it enters the digest, so two such classes that share a `name` never
+  share a suite."""
+  spec = {"env": env_name, "params": dict(env_params), "seed": int(seed), "sizes": dict(sizes),
+          "version": env_version}
+  if source is not None:
+    spec["source"] = source
+  digest = hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:12]
+  prefix = re.sub(r"[^A-Za-z0-9_]+", "_", env_name).strip("_") or "env"
+  return f"{prefix}_s{seed}_{digest}"
+
+
+def suite_dir(data_dir: str, name: str) -> str:
+  """The folder holding the files of the suite `name` (see `suite_name`) under `data_dir`."""
+  return os.path.join(data_dir, _DATASET, name, _VERSION)
 
 
 def _flatten(task) -> dict[str, np.ndarray]:
@@ -70,7 +93,8 @@ def _generate_split(env, split: str, seed: int, count: int, exclude: set[int]) -
   while total < count:
     if start > 20 * count + 10 * _GENERATION_CHUNK:
       raise RuntimeError(f"{env.name}: could not generate {count} distinct {split} tasks outside "
-                         f"train (got {total}); the task space is too small for these sizes.")
+                         f"train (got {total}); the task space is too small for these sizes: "
+                         f"lower the suite sizes (config.tasks.train_size / test_size / ood_size).")
     tasks, hashes = make(jnp.arange(start, start + _GENERATION_CHUNK, dtype=jnp.uint32))
     flat, hashes = _flatten(tasks), np.asarray(hashes)
     take = []
@@ -93,13 +117,12 @@ def _builder_class():
 
   class LonghorizonTasks(tfds.core.GeneratorBasedBuilder):
     """Procedurally generated tasks of one longhorizon environment."""
-    VERSION = tfds.core.Version("1.0.0")
+    VERSION = tfds.core.Version(_VERSION)
 
-    def __init__(self, *, env, env_params, seed, sizes, **kwargs):
+    def __init__(self, *, env, env_params, seed, sizes, name, **kwargs):
       self._env, self._env_params, self._seed, self._sizes = env, dict(env_params), seed, dict(sizes)
       config = tfds.core.BuilderConfig(
-          name=suite_name(env.name, env_params, seed, sizes, env.version),
-          description=f"{env.name} {dict(env_params)} seed={seed} sizes={dict(sizes)}")
+          name=name, description=f"{env.name} {dict(env_params)} seed={seed} sizes={dict(sizes)}")
       super().__init__(config=config, **kwargs)
 
     def _info(self):
@@ -139,9 +162,57 @@ def _unflatten_like(env, flat: Mapping[str, np.ndarray]):
   return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
+def _remedy(folder: str) -> str:
+  return (f"delete the folder {folder} to regenerate it (the suite is deterministic: the same tasks "
+          "come back).")
+
+
+def _check_info(folder: str) -> None:
+  """Raises `CorruptSuiteError` if the suite in `folder` has a `dataset_info.json` that does not
+  parse (TFDS reads it before anything else)."""
+  path = os.path.join(folder, "dataset_info.json")
+  if not os.path.exists(path):
+    return
+  try:
+    with open(path) as f:
+      info = json.load(f)
+    if not isinstance(info, dict) or not isinstance(info.get("splits"), list):
+      raise ValueError("expected a JSON object with a 'splits' list")
+  except (ValueError, UnicodeDecodeError) as e:
+    raise CorruptSuiteError(f"task suite {path} is not valid ({e}); {_remedy(folder)}") from None
+
+
+def _check_records(builder, split: str) -> None:
+  """Reads every record of `split` once (array_record checks each chunk's checksum) and compares
+  the record counts with `dataset_info.json`; raises `CorruptSuiteError` naming the file."""
+  # array_record ships with TFDS (the data-source reader), imported here like TFDS itself.
+  from array_record.python.array_record_module import ArrayRecordReader
+  folder = os.fspath(builder.data_dir)
+  info = builder.info.splits[split]
+  for path, expected in zip(info.filepaths, info.shard_lengths):
+    path = os.fspath(path)
+    try:
+      reader = ArrayRecordReader(path)
+      try:
+        count = reader.num_records()
+        reader.read_all()
+      finally:
+        reader.close()
+    except (RuntimeError, OSError, ValueError) as e:
+      raise CorruptSuiteError(f"task suite file {path} cannot be read ({e}); "
+                              f"{_remedy(folder)}") from None
+    if count != expected:
+      raise CorruptSuiteError(f"task suite file {path} holds {count} records, dataset_info.json "
+                              f"says {expected}; {_remedy(folder)}")
+
+
 def build(env_name: str, env_params: Mapping[str, Any] | None = None, seed: int = 0,
           sizes: Mapping[str, int] | None = None, data_dir: str | None = None):
-  """The (prepared) TFDS builder of a suite; generates the files on first use."""
+  """The (prepared) TFDS builder of a suite; generates the files on first use.
+
+  `env_name` is a registered name or an import path `"package.module:Class"` (see `envs.make`).
+  Raises `CorruptSuiteError` if the suite's `dataset_info.json` does not parse.
+  """
   from longhorizon import envs
   env_params = dict(env_params or {})
   sizes = {**DEFAULT_SIZES, **(sizes or {})}
@@ -149,8 +220,12 @@ def build(env_name: str, env_params: Mapping[str, Any] | None = None, seed: int 
   if bad:
     raise ValueError(f"unknown split(s) {bad}; splits are {list(SPLITS)}.")
   env = envs.make(env_name, **env_params)
-  builder = _builder_class()(env=env, env_params=env_params, seed=seed, sizes=sizes,
-                             data_dir=data_dir or default_data_dir(), file_format="array_record")
+  source = None if env_name in envs.registered() else env_name
+  name = suite_name(env.name or type(env).__name__, env_params, seed, sizes, env.version, source)
+  data_dir = data_dir or default_data_dir()
+  _check_info(suite_dir(data_dir, name))
+  builder = _builder_class()(env=env, env_params=env_params, seed=seed, sizes=sizes, name=name,
+                             data_dir=data_dir, file_format="array_record")
   builder.download_and_prepare()
   builder.env = env
   return builder
@@ -158,10 +233,15 @@ def build(env_name: str, env_params: Mapping[str, Any] | None = None, seed: int 
 
 def load(env_name: str, split: str, env_params: Mapping[str, Any] | None = None, seed: int = 0,
          sizes: Mapping[str, int] | None = None, data_dir: str | None = None):
-  """A random-access data source over `split`'s tasks (each a dict of flattened arrays)."""
+  """A random-access data source over `split`'s tasks (each a dict of flattened arrays).
+
+  The split's files are read once here, so a damaged suite raises `CorruptSuiteError` (naming the
+  folder to delete) now rather than at the first task drawn.
+  """
   if split not in SPLITS:
     raise ValueError(f"unknown split {split!r}; splits are {list(SPLITS)}.")
   builder = build(env_name, env_params, seed, sizes, data_dir)
+  _check_records(builder, split)
   source = builder.as_data_source(split=split)
   source.env = builder.env
   return source
