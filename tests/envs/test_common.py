@@ -3,6 +3,7 @@ round-trip through text, chat framing with a real tokenizer, finished rows stay 
 steps do not retrace, wrappers compose and flag what they should, task suites are deterministic."""
 
 import json
+import re
 
 import gguf
 import hypothesis
@@ -20,6 +21,7 @@ from longhorizon.models.tokenizer import tokenizer_from_gguf
 
 NAMES = envs.registered()
 STYLES = ("compact", "tool_call")
+END_MARKERS = ("<eot>", "<|endoftext|>")
 
 
 @pytest.fixture(scope="module", params=NAMES)
@@ -49,9 +51,15 @@ def _texts(env):
   arg_names = st.sampled_from(sorted({a.name for t in env.tools for a in t.args} | {"x"}))
   structured = st.builds(_tool_call_text, names, st.dictionaries(arg_names, json_values, max_size=4))
   words = st.lists(st.sampled_from([t.name for t in env.tools] + ["1", "-3", "99999999999999", "up",
-                                                                  "<eot>", "x", "{", "</tool_call>"]),
+                                                                  "<eot>", "x", "{", "</tool_call>",
+                                                                  "\uff13", "\u0663", "-0", "007"]),
                    max_size=5).map(" ".join)
-  return st.one_of(st.text(max_size=60), structured, words,
+  separators = st.sampled_from([" ", "  ", "\t", "\u00a0", "\n"])
+  spaced = st.lists(st.sampled_from([t.name for t in env.tools] + ["0", "1", "up"]), min_size=1,
+                    max_size=3).flatmap(lambda ws: st.lists(separators, min_size=len(ws) - 1,
+                                                            max_size=len(ws) - 1).map(
+      lambda seps: ws[0] + "".join(s + w for s, w in zip(seps, ws[1:]))))
+  return st.one_of(st.text(max_size=60), structured, words, spaced,
                    st.builds(lambda a, b: a + b, structured, st.text(max_size=10)),
                    st.binary(max_size=20).map(lambda b: b.decode("latin-1")))
 
@@ -72,6 +80,13 @@ def test_parse_action_never_raises(env, style):
       again, ok2, _ = codec.parse_action(codec.format_action(action))
       assert ok2 and int(again.tool) == int(action.tool)
       np.testing.assert_array_equal(again.args, action.args)
+      if style == "compact":
+        # Accepted text is the formatted action, up to surrounding whitespace, end-of-turn markers
+        # and runs of ASCII spaces: never a differently spelled (or different) action.
+        core = text.strip()
+        while any(core.endswith(m) for m in END_MARKERS):
+          core = core[:-len(next(m for m in END_MARKERS if core.endswith(m)))].strip()
+        assert re.sub(" +", " ", core) == codec.format_action(action), repr(text)
     else:
       assert int(action.error) != 0 and message
       assert envs.ErrorCode(int(action.error)).is_parse_error
@@ -99,6 +114,102 @@ def test_malformed_action_gets_named_error_observation(env, style):
     assert not bool(ts.done) and int(new_state.step) == 1
     rendered = codec.observation_text(ts, message)
     assert envs.ERROR_MESSAGES[code] in rendered
+
+
+def _baseline_values(tool):
+  """In-range values for each of `tool`'s arguments (enum index 0, int `low`)."""
+  return [0 if a.kind == "enum" else a.low for a in tool.args]
+
+
+def _compact_text(tool, values):
+  return " ".join([tool.name] + [a.choices[v] if a.kind == "enum" and 0 <= v < len(a.choices)
+                                 else str(v) for a, v in zip(tool.args, values)])
+
+
+def test_compact_refuses_unicode_digits_non_canonical_numbers_and_odd_separators(env):
+  codec = env.codec(style="compact")
+  tool = next(t for t in env.tools if t.args)
+  good = _compact_text(tool, _baseline_values(tool))
+  # The documented leniency: whitespace and end-of-turn tokens around the action, runs of spaces.
+  action, ok, message = codec.parse_action("\t " + good.replace(" ", "   ") + " \n<eot>")
+  assert ok and codec.format_action(action) == good, message
+  for separator in ("\t", "\u00a0", "\n", "\u3000"):
+    action, ok, message = codec.parse_action(good.replace(" ", separator, 1))
+    assert not ok and int(action.error) == envs.ErrorCode.BAD_ARGUMENT, (separator, message)
+    assert f"U+{ord(separator):04X}" in message, message
+  for t, tool in enumerate(env.tools):
+    for i, arg in enumerate(tool.args):
+      if arg.kind != "int":
+        continue
+      for word in ("\uff13", "\u0663", "-0", f"0{arg.low}", f"+{arg.low}", f"{arg.low}.0"):
+        words = _compact_text(tool, _baseline_values(tool)).split(" ")
+        words[1 + i] = word
+        action, ok, message = codec.parse_action(" ".join(words))
+        assert not ok and int(action.error) == envs.ErrorCode.BAD_ARGUMENT, (word, message)
+        assert arg.name in message and "ASCII digits" in message, message
+
+
+def test_tool_call_refuses_duplicate_keys_and_negative_zero(env):
+  codec = env.codec(style="tool_call")
+  tool = next(t for t in env.tools if t.args)
+  values = {a.name: a.choices[0] if a.kind == "enum" else a.low for a in tool.args}
+  first = tool.args[0]
+  other = first.choices[-1] if first.kind == "enum" else first.high
+  body = json.dumps({"name": tool.name, "arguments": values})
+  # The last of two values for one key would win silently; it is refused, naming the key.
+  opening = f'"arguments": {{"{first.name}": '
+  repeated = body.replace(opening, f"{opening}{json.dumps(other)}, \"{first.name}\": ")
+  for text, key in ((repeated, first.name),
+                    (body.replace('"name": ', '"name": "nope", "name": ', 1), "name")):
+    action, ok, message = codec.parse_action(f"<tool_call>{text}</tool_call>")
+    assert not ok and int(action.error) == envs.ErrorCode.BAD_JSON, (text, message)
+    assert f"duplicate key {key!r}" in message, message
+  for t, tool in enumerate(env.tools):
+    for arg in tool.args:
+      if arg.kind == "int":
+        values = {a.name: a.choices[0] if a.kind == "enum" else a.low for a in tool.args}
+        text = json.dumps({"name": tool.name, "arguments": values}).replace(
+            f'"{arg.name}": {arg.low}', f'"{arg.name}": -0')
+        action, ok, message = codec.parse_action(f"<tool_call>{text}</tool_call>")
+        assert not ok and int(action.error) == envs.ErrorCode.BAD_ARGUMENT, (text, message)
+        assert f"{arg.name} must be an integer, got -0" in message, message
+
+
+def test_out_of_range_arguments_are_refused_alike(env):
+  """Every environment refuses a hand-built action with an argument outside its `Arg` range the
+  same way (INVALID_ARGUMENT, counted invalid, state unchanged, the episode goes on); the codec
+  refuses the same value in text as BAD_ARGUMENT in both styles."""
+  step = jax.jit(env.step)
+  state, first = env.reset(jax.random.key(0))
+  codecs = {style: env.codec(style=style) for style in STYLES}
+  for t, tool in enumerate(env.tools):
+    for i, arg in enumerate(tool.args):
+      outside = (-1, len(arg.choices)) if arg.kind == "enum" else (arg.low - 1, arg.high + 1)
+      for bad in outside:
+        values = _baseline_values(tool)
+        values[i] = bad
+        where = f"{env.name}: {tool.name} {arg.name}={bad}"
+        new, ts = step(state, envs.Action.make(t, values, env.num_args))
+        assert int(ts.observation["error"]) == envs.ErrorCode.INVALID_ARGUMENT, where
+        assert bool(ts.invalid_action) and not bool(ts.done), where
+        assert int(ts.anchor) == int(first.anchor), where
+        jax.tree.map(np.testing.assert_array_equal, envs.to_numpy(new.inner),
+                     envs.to_numpy(state.inner))
+        for codec in codecs.values():
+          assert codec.observation_text(ts), where
+        word = "sideways" if arg.kind == "enum" else bad
+        compact = _compact_text(tool, values).split(" ")
+        compact[1 + i] = str(word)
+        arguments = {a.name: a.choices[v] if a.kind == "enum" else v
+                     for a, v in zip(tool.args, _baseline_values(tool))}
+        arguments[arg.name] = word
+        texts = {"compact": " ".join(compact),
+                 "tool_call": "<tool_call>" + json.dumps({"name": tool.name,
+                                                          "arguments": arguments}) + "</tool_call>"}
+        for style, text in texts.items():
+          action, ok, message = codecs[style].parse_action(text)
+          assert not ok and int(action.error) == envs.ErrorCode.BAD_ARGUMENT, (where, style)
+          assert arg.name in message, (where, style, message)
 
 
 def test_random_actions_round_trip_through_text(env):

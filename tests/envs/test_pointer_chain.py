@@ -69,6 +69,29 @@ def test_hand_case(env, step):
   jax.tree.map(np.testing.assert_array_equal, envs.to_numpy(state2), envs.to_numpy(state))
 
 
+def test_out_of_range_keys_are_refused_not_clipped(env, step):
+  """Key 16 of a 16-key store used to be clipped to key 15 (a lookup of 15, or an answer recorded as
+  16 that ended the episode); now it is refused like out-of-range ids in every environment."""
+  state, ts0 = env.reset(jax.random.key(0), _hand_task())
+  codec = env.codec(style="compact")
+  for tool, key in ((LOOKUP, 16), (LOOKUP, -1), (ANSWER, 16)):
+    new, ts = step(state, _act(env, tool, key))
+    assert {k: int(v) for k, v in ts.observation.items()} == {
+        "kind": 1 if tool == LOOKUP else 2, "key": key, "value": -1,
+        "error": envs.ErrorCode.INVALID_ARGUMENT}
+    assert bool(ts.invalid_action) and float(ts.reward) == pytest.approx(-0.1)
+    assert not bool(ts.terminated) and int(ts.anchor) == int(ts0.anchor)
+    jax.tree.map(np.testing.assert_array_equal, envs.to_numpy(new.inner), envs.to_numpy(state.inner))
+    assert codec.observation_text(ts) == "error : invalid argument : no such key"
+  assert env.codec(style="tool_call").observation_text(ts) == (
+      "Error: invalid argument: there is no key 16 (keys are 0 to 15).")
+  # The refused answer did not end the episode: the chain can still be solved.
+  for key in (0, 5, 2):
+    state, _ = step(state, _act(env, LOOKUP, key))
+  state, ts = step(state, _act(env, ANSWER, 7))
+  assert bool(ts.success)
+
+
 def test_guessing_the_answer_earns_nothing(env, step):
   """The right value answered without following the chain is not a success."""
   state, _ = env.reset(jax.random.key(0), _hand_task())

@@ -248,6 +248,25 @@ def test_parse_tool_call_malformed_never_raises(text, message):
   assert error and __import__("re").search(message, error), error
 
 
+@pytest.mark.parametrize("text,key", [
+    ('<tool_call>{"name": "f", "arguments": {"x": 1, "x": 2}}</tool_call>', "x"),
+    ('<tool_call>{"name": "f", "name": "g", "arguments": {}}</tool_call>', "name"),
+    ('<tool_call>{"name": "f", "arguments": {"x": {"y": 1, "y": 1}}}</tool_call>', "y"),
+    ('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1, \\"x\\": 2}"}</tool_call>', "x"),
+])
+def test_parse_tool_call_refuses_duplicate_keys(text, key):
+  """A repeated key used to parse with the last value winning; it is an error naming the key."""
+  call, error = parse_tool_call(text)
+  assert call is None and f"duplicate key {key!r}" in error, error
+
+
+def test_parse_tool_call_parse_int():
+  text = '<tool_call>{"name": "f", "arguments": {"x": -0, "y": 7}}</tool_call>'
+  assert parse_tool_call(text) == ({"name": "f", "arguments": {"x": 0, "y": 7}}, "")
+  call, error = parse_tool_call(text, parse_int=lambda s: f"int:{s}")
+  assert call == {"name": "f", "arguments": {"x": "int:-0", "y": "int:7"}} and error == ""
+
+
 def test_parse_tool_call_checks_against_tools():
   call, error = parse_tool_call('<tool_call>{"name": "get_wether", "arguments": {}}</tool_call>',
                                 tools=[WEATHER_TOOL])

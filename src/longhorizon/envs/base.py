@@ -92,7 +92,11 @@ class Environment(abc.ABC):
 
   @abc.abstractmethod
   def transition(self, task: Any, inner: Any, action: Action, key: jax.Array) -> Transition:
-    """One well-formed action (`action.error == NONE`, `0 <= action.tool < len(tools)`)."""
+    """One well-formed action (`action.error == NONE`, `0 <= action.tool < len(tools)`).
+
+    An argument outside its `Arg` range (only a hand-built `Action` carries one: the codec refuses
+    such text as BAD_ARGUMENT) must be refused like every built-in environment does: `rejected`,
+    observation error INVALID_ARGUMENT, state unchanged."""
 
   @abc.abstractmethod
   def error_observation(self, task: Any, inner: Any, error: jax.Array) -> dict:

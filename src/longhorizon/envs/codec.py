@@ -18,6 +18,19 @@ prompt is `<bos> {system} {task} <act>`, the policy answers `{action} <eot>` and
 
 Observations are tokenised on their own and appended: the history is never re-tokenised. Parsing
 never raises: malformed text becomes `Action.invalid(code)` with a message naming the problem.
+
+What the parser accepts (the same in every environment; anything else is a parse error, never a
+different action):
+* both styles: whitespace (any kind) and end-of-turn tokens around the action are ignored; an int
+  argument is written in canonical decimal: ASCII digits `0-9` only, no leading zeros, no `+`, no
+  `-0` (compact `lookup 7`, JSON `7`; `lookup ３`, `lookup ٣`, `lookup 007`, `lookup +7`,
+  `lookup -0` and JSON `-0` are BAD_ARGUMENT, while JSON with leading zeros, `+` or non-ASCII digits
+  does not parse: BAD_JSON); an argument outside its `Arg` range, or an enum word not among its
+  choices, is BAD_ARGUMENT.
+* compact: the tool name and its arguments are separated by ASCII spaces (U+0020, one or more);
+  another whitespace character between them (TAB, NBSP, newline, ...) is BAD_ARGUMENT, naming it.
+* tool_call: `parse_tool_call`'s syntax; a key repeated in the JSON (`{"key": 1, "key": 2}`) is
+  BAD_JSON naming the key; an int argument must be a JSON integer (not `7.0`, `"7"` or `true`).
 """
 
 from __future__ import annotations
@@ -42,6 +55,8 @@ _CODEC_WORDS = ("error", ":", "actions", "|", "no", "action", "found", "unknown"
                 "timed", "out", "returned", "nothing", "permission", "denied", "unavailable",
                 "is", "valid", "JSON", "call", "-", ".")
 _MARK = "\u2063ACTION\u2063"  # a placeholder assistant message when cutting template turns
+# An int argument in compact text: canonical decimal in ASCII digits (what `format_action` writes).
+_INTEGER = re.compile(r"0|-?[1-9][0-9]{0,11}")
 
 
 def _usage_word(arg) -> str:
@@ -227,6 +242,10 @@ class Codec:
       return self._fail(ErrorCode.BAD_ARGUMENT, f"{name} is missing {' '.join(missing)}")
     if len(given) > len(tool.args):
       return self._fail(ErrorCode.EXTRA_TEXT, _snip(" ".join(given[len(tool.args):])))
+    if re.sub(" +", " ", text) != " ".join(words):  # a separator other than ASCII spaces
+      odd = next(c for c in text if c.isspace() and c != " ")
+      return self._fail(ErrorCode.BAD_ARGUMENT, f"separate {name} and its arguments with spaces, "
+                                                f"not {odd!r} (U+{ord(odd):04X})")
     values = []
     for arg, word in zip(tool.args, given):
       value, problem = _coerce(arg, word, from_json=False)
@@ -236,7 +255,7 @@ class Codec:
     return Action.make(index, values, self.env.num_args), True, ""
 
   def _parse_tool_call(self, text: str):
-    call, message = parse_tool_call(text)
+    call, message = parse_tool_call(text, parse_int=_json_int)
     if call is None:
       if message.startswith("no <tool_call>") or message.startswith("tool call must be text"):
         code = ErrorCode.GARBAGE
@@ -265,19 +284,31 @@ class Codec:
     return Action.make(index, values, self.env.num_args), True, ""
 
 
+def _json_int(literal: str):
+  """`parse_int` of tool-call JSON: `-0` becomes the float -0.0, so it fails as a non-integer."""
+  return -0.0 if literal == "-0" else int(literal)
+
+
+def _show_json(value) -> str:
+  if isinstance(value, float) and value == 0 and str(value).startswith("-"):
+    return "-0"
+  return _snip(json.dumps(value))
+
+
 def _coerce(arg, value, from_json: bool) -> tuple[int, str]:
   """(coded value, problem message or '')."""
   if arg.kind == "enum":
     if not isinstance(value, str) or value not in arg.choices:
-      shown = json.dumps(value) if from_json else _snip(str(value))
+      shown = _show_json(value) if from_json else _snip(str(value))
       return 0, f"{arg.name} must be one of {list(arg.choices)[:8]}, got {shown}"
     return arg.choices.index(value), ""
   if from_json:
     if isinstance(value, bool) or not isinstance(value, int):
-      return 0, f"{arg.name} must be an integer, got {_snip(json.dumps(value))}"
+      return 0, f"{arg.name} must be an integer, got {_show_json(value)}"
   else:
-    if not re.fullmatch(r"-?\d{1,12}", value):
-      return 0, f"{arg.name} must be an integer, got {_snip(value)}"
+    if not _INTEGER.fullmatch(value):
+      return 0, (f"{arg.name} must be an integer in [{arg.low}, {arg.high}] in ASCII digits 0-9, "
+                 f"without leading zeros or a sign on 0, got {_snip(value)}")
     value = int(value)
   if not arg.low <= value <= arg.high:
     return 0, f"{arg.name} must be in [{arg.low}, {arg.high}], got {value}"

@@ -13,6 +13,10 @@ so the canonical state, and the anchor, stay the same: repeated visits group tog
 The verifier accepts only a correct answer given after the whole chain was followed: guessing the
 value without doing the lookups earns nothing.
 
+A key outside [0, num_keys) (in `lookup` or `answer`; only a hand-built `Action` can carry one, the
+codec refuses such text as BAD_ARGUMENT) is refused as in every environment: `Transition.rejected`
+(counted invalid), observation error INVALID_ARGUMENT, state unchanged, the episode goes on.
+
 Splits: `train`/`test` draw tasks with `horizon` hops (different seeds, so different stores);
 `ood` uses `ood_horizon` hops (default 2N): longer chains than any seen in training.
 
@@ -102,19 +106,26 @@ class PointerChain(Environment):
     del key
     arg = action.args[0]
     is_lookup = action.tool == _LOOKUP
-    value = task["store"][jnp.clip(arg, 0, self.num_keys - 1)]
-    follows = is_lookup & (arg == inner["current"]) & (inner["progress"] < task["horizon"])
+    exists = (arg >= 0) & (arg < self.num_keys)
+    value = task["store"][jnp.clip(arg, 0, self.num_keys - 1)]  # clipped to index; refused below
+    follows = (is_lookup & exists & (arg == inner["current"])
+               & (inner["progress"] < task["horizon"]))
+    answers = ~is_lookup & exists
     progress = inner["progress"] + follows.astype(jnp.int32)
     new_inner = {"progress": progress,
                  "current": jnp.where(follows, value, inner["current"]),
-                 "answered": inner["answered"] | ~is_lookup,
-                 "answer": jnp.where(is_lookup, inner["answer"], arg)}
-    observation = self._observation(jnp.where(is_lookup, 1, 2), arg,
-                                     jnp.where(is_lookup, value, arg))
+                 "answered": inner["answered"] | answers,
+                 "answer": jnp.where(answers, arg, inner["answer"])}
+    observation = self._observation(
+        jnp.where(is_lookup, 1, 2), arg,
+        jnp.where(exists, jnp.where(is_lookup, value, arg), -1),
+        jnp.where(exists, ErrorCode.NONE, ErrorCode.INVALID_ARGUMENT))
+    return Transition(inner=new_inner, observation=observation, terminated=answers,
+                      milestones=self._milestones(task, new_inner), rejected=~exists)
+
+  def _milestones(self, task, inner):
     half = (task["horizon"] + 1) // 2
-    milestones = jnp.stack([progress >= half, progress >= task["horizon"]])
-    return Transition(inner=new_inner, observation=observation, terminated=~is_lookup,
-                      milestones=milestones)
+    return jnp.stack([inner["progress"] >= half, inner["progress"] >= task["horizon"]])
 
   def error_observation(self, task, inner, error):
     return self._observation(3, -1, -1, error)
@@ -150,6 +161,10 @@ class PointerChain(Environment):
 
   def observation_text(self, observation, style):
     kind, key, value, error = (int(observation[k]) for k in ("kind", "key", "value", "error"))
+    if kind in (1, 2) and error == ErrorCode.INVALID_ARGUMENT:
+      if style == "compact":
+        return "error : invalid argument : no such key"
+      return f"Error: invalid argument: there is no key {key} (keys are 0 to {self.num_keys - 1})."
     if kind == 0:
       return self.task_text({"start": key, "horizon": value}, style)
     if kind == 1:
@@ -160,7 +175,8 @@ class PointerChain(Environment):
 
   def vocabulary(self):
     words = set(self.system_text("compact").split())
-    words |= {"start", "hops", "->", "answer", "error"}
+    words |= {"start", "hops", "->", "answer", "error", ":", "invalid", "argument", "no", "such",
+              "key"}
     words |= {str(i) for i in range(max(self.num_keys, self.ood_horizon + 1, self.horizon + 1))}
     return sorted(words)
 

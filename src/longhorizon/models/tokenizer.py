@@ -6,6 +6,8 @@
 - `render_chat(tokenizer, messages, tools)`: prompt token ids of a chat, using the model's own chat
   template when it supports tools and `TOOL_CALL_TEMPLATE` otherwise.
 - `parse_tool_call(text)`: `({"name", "arguments"} | None, error message)`; never raises.
+- `unknown_words(tokenizer, text)`: the pieces of `text` a tokenizer can only encode as its unknown
+  token (a word missing from a word-level vocabulary).
 
 Token-in, token-out: `render_chat` is for building prompts. Sampled actions stay token ids; text is
 decoded from them only to parse tool calls, never re-encoded into the trajectory.
@@ -21,7 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 __all__ = ["tokenizer_from_gguf", "word_level_tokenizer", "TOOL_CALL_TEMPLATE", "render_chat",
            "template_supports_tools", "parse_tool_call", "PRE_TOKENIZERS", "chat_text",
-           "char_tokenizer"]
+           "char_tokenizer", "unknown_words"]
 
 
 # ------------------------------------------------------------------------------------- GGUF BPE
@@ -168,6 +170,22 @@ def word_level_tokenizer(words: Sequence[str], special_tokens: Mapping[str, str]
   return _wrap(backend, specials, special_tokens, extra_special_tokens, chat_template)
 
 
+def unknown_words(tokenizer, text: str) -> list[str]:
+  """The pieces of `text` that `tokenizer` encodes as its unknown token, in order (repeats kept).
+
+  For a word-level tokenizer these are the words missing from its vocabulary; a byte-level one has
+  none. A literal occurrence of the unknown token's own text (e.g. `"<unk>"`) is not counted, and a
+  tokenizer without an unknown token reports none. Needs a fast tokenizer (offsets mapping).
+  """
+  unk = tokenizer.unk_token_id
+  if unk is None or not text:
+    return []
+  encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+  pieces = (text[start:end] for i, (start, end) in zip(encoding["input_ids"],
+                                                        encoding["offset_mapping"]) if i == unk)
+  return [piece for piece in pieces if piece != tokenizer.unk_token]
+
+
 def _vocab_with_specials(special_tokens, extra_special_tokens, symbols):
   """(special token list, token -> id): specials first, then `symbols` (duplicates dropped)."""
   specials = list(dict.fromkeys([*special_tokens.values(), *extra_special_tokens]))
@@ -297,14 +315,16 @@ _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _TRAILING_OK = re.compile(r"^(\s|<\|im_end\|>|<\|endoftext\|>|</s>|<\|eot_id\|>)*$")
 
 
-def parse_tool_call(text: Any, tools: Sequence[Mapping[str, Any]] | None = None
-                    ) -> tuple[dict | None, str]:
+def parse_tool_call(text: Any, tools: Sequence[Mapping[str, Any]] | None = None, *,
+                    parse_int: Callable[[str], Any] | None = None) -> tuple[dict | None, str]:
   """Parses one `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` from model output.
 
   Text before the tag is allowed (the model may explain itself); after the closing tag only
   whitespace and end-of-turn tokens. `arguments` may be an object or a JSON string encoding one; it
-  defaults to `{}` when absent. With `tools` (JSON schemas), the name must be one of them and the
-  schema's `required` arguments must be present.
+  defaults to `{}` when absent. A key repeated in any JSON object of the call (`{"x": 1, "x": 2}`)
+  is an error naming the key, never "the last one wins". With `tools` (JSON schemas), the name must
+  be one of them and the schema's `required` arguments must be present. `parse_int` (as in
+  `json.loads`) maps each JSON integer literal to its value (default `int`).
 
   Returns:
     `({"name": str, "arguments": dict}, "")` on success, else `(None, message)` where the message
@@ -312,12 +332,28 @@ def parse_tool_call(text: Any, tools: Sequence[Mapping[str, Any]] | None = None
     Never raises.
   """
   try:
-    return _parse_tool_call(text, tools)
+    return _parse_tool_call(text, tools, parse_int)
   except Exception as e:  # a guarantee: malformed input is an observation, not a crash
     return None, f"could not parse the tool call: {type(e).__name__}: {e}"
 
 
-def _parse_tool_call(text, tools):
+class _DuplicateKey(ValueError):
+  def __init__(self, key):
+    super().__init__(key)
+    self.key = key
+
+
+def _unique_keys(pairs):
+  """`object_pairs_hook` of `json.loads` that refuses a repeated key."""
+  out = {}
+  for key, value in pairs:
+    if key in out:
+      raise _DuplicateKey(key)
+    out[key] = value
+  return out
+
+
+def _parse_tool_call(text, tools, parse_int):
   expected = f'expected {_OPEN}{{"name": "<tool>", "arguments": {{...}}}}{_CLOSE}'
   if not isinstance(text, str):
     return None, f"tool call must be text, got {type(text).__name__}; {expected}."
@@ -337,11 +373,14 @@ def _parse_tool_call(text, tools):
                   f"the tool call.")
   if not body:
     return None, f"empty tool call between {_OPEN} and {_CLOSE}; {expected}."
+  loads = lambda s: json.loads(s, object_pairs_hook=_unique_keys, parse_int=parse_int)
   try:
-    call = json.loads(body)
+    call = loads(body)
   except json.JSONDecodeError as e:
     return None, (f"tool call is not valid JSON ({e.msg} at character {e.pos}): {_snippet(body)}; "
                   f"{expected}.")
+  except _DuplicateKey as e:
+    return None, f"duplicate key {e.key!r} in the tool call; give each key once."
   if not isinstance(call, dict):
     return None, f"tool call must be a JSON object, got {type(call).__name__}; {expected}."
   extra = sorted(set(call) - {"name", "arguments"})
@@ -355,9 +394,11 @@ def _parse_tool_call(text, tools):
   arguments = call.get("arguments", {})
   if isinstance(arguments, str):
     try:
-      arguments = json.loads(arguments)
+      arguments = loads(arguments)
     except json.JSONDecodeError as e:
       return None, f"'arguments' is a string that is not valid JSON ({e.msg}): {_snippet(call['arguments'])}."
+    except _DuplicateKey as e:
+      return None, f"duplicate key {e.key!r} in the tool call's 'arguments'; give each key once."
   if not isinstance(arguments, dict):
     return None, (f"tool call 'arguments' must be a JSON object of argument name -> value, got "
                   f"{type(arguments).__name__} {_snippet(json.dumps(arguments))}.")
