@@ -19,7 +19,7 @@ from longhorizon.train import workdir as workdir_lib
 from longhorizon.train.metrics import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-SMOKE = ["--config=configs/default.py:smoke", "--config.tensorboard=False",
+SMOKE = [f"--config={ROOT}/configs/default.py:smoke", "--config.tensorboard=False",
          "--config.eval.num_tasks=8"]
 
 

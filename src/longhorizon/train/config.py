@@ -11,6 +11,7 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
 import ml_collections
 
 from longhorizon import envs
@@ -203,7 +204,10 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if value not in allowed:
       _fail(path, value, f"one of {list(allowed)}")
   if config.env.name not in envs.registered():
-    _fail("env.name", config.env.name, f"one of {envs.registered()}")
+    try:
+      envs.resolve(config.env.name)  # an environment outside the library: 'package.module:Class'
+    except ValueError as e:
+      raise ConfigError(f"config.env.name={config.env.name!r} is not allowed: {e}") from None
   agg = _get(config, "algorithm.agg")
   if agg and agg not in AGGREGATIONS:
     _fail("algorithm.agg", agg, f"'' (the algorithm's default) or one of {list(AGGREGATIONS)}")
@@ -256,6 +260,13 @@ def _check_rules(config):
     if config.sft.episodes % config.sft.minibatches:
       _fail("sft.minibatches", config.sft.minibatches,
             f"a divisor of sft.episodes = {config.sft.episodes}")
+  mesh = config.mesh
+  devices = jax.local_device_count()
+  if mesh.data * mesh.fsdp * mesh.tensor > devices:
+    _fail("mesh.data", mesh.data,
+          f"mesh.data * mesh.fsdp * mesh.tensor = {mesh.data * mesh.fsdp * mesh.tensor} at most "
+          f"the {devices} local device(s) (emulate more on CPU with XLA_FLAGS="
+          f"--xla_force_host_platform_device_count=8)")
   c = config.curriculum
   if c.num_buckets and c.floor > 1 / c.num_buckets:
     _fail("curriculum.floor", c.floor,
