@@ -16,6 +16,7 @@ import pytest
 from longhorizon import envs
 from longhorizon.envs import tasks as task_suites
 from longhorizon.envs import testing
+from longhorizon.envs.pointer_chain import PointerChain
 from longhorizon.models import checkpoint
 from longhorizon.models.tokenizer import tokenizer_from_gguf
 
@@ -274,6 +275,42 @@ def test_vocabulary_covers_compact_text(env):
                                      policy=lambda s, k: testing.random_action(env, s, k),
                                      max_steps=6)
       assert unk not in episode["ids"], codec.decode(episode["ids"])
+
+
+class _MissingWord(PointerChain):
+  """pointer_chain whose vocabulary() misses one word (a gap a user's environment may have)."""
+
+  def __init__(self, missing: str, **params):
+    super().__init__(**params)
+    self.missing = missing
+
+  def vocabulary(self):
+    return [w for w in super().vocabulary() if w != self.missing]
+
+
+@pytest.mark.parametrize("missing,where", [("hops", "prompt"), ("->", "observation after action 0")])
+def test_text_checks_raise_on_a_vocabulary_gap(missing, where):
+  """The oracle's success through the text path is blind to a word missing from vocabulary() (it
+  acts on the state, not on the `<unk>` the policy would see); the text checks are not."""
+  env = _MissingWord(missing, horizon=2)
+  codec = env.codec(style="compact")
+  episode = testing.text_episode(env, codec, jax.random.key(0), check_text=False)
+  assert bool(episode["final"].success)  # blind
+  assert codec.tokenizer.unk_token_id in episode["ids"]
+  with pytest.raises(ValueError, match=re.escape(where) + ".*: the tokenizer does not know "
+                                       + re.escape(f"[{missing!r}]")):
+    testing.text_episode(env, codec, jax.random.key(0))
+  task = env.generate_task(jax.random.key(0))
+  text = codec.prompt_text(task)
+  if missing == "hops":
+    with pytest.raises(ValueError, match="add them to pointer_chain.vocabulary"):
+      testing.check_text_round_trip(codec, text, "prompt")
+  else:
+    ids = testing.check_text_round_trip(codec, text, "prompt")
+    assert ids == codec.render_prompt(task) and codec.decode(ids).split() == text.split()
+  assert codec.unknown_words(f"start 3 {missing} 2 , lookup {missing}") == [missing] * 2
+  # A byte-level tokenizer (tool_call style) has no unknown words: the same environment passes.
+  assert bool(testing.text_episode(env, env.codec(style="tool_call"), jax.random.key(0))["final"].success)
 
 
 # ---------------------------------------------------------------------------------- wrappers

@@ -6,9 +6,9 @@ import gguf
 import pytest
 
 from longhorizon.models import checkpoint
-from longhorizon.models.tokenizer import (TOOL_CALL_TEMPLATE, parse_tool_call, render_chat,
-                                          template_supports_tools, tokenizer_from_gguf,
-                                          word_level_tokenizer)
+from longhorizon.models.tokenizer import (TOOL_CALL_TEMPLATE, char_tokenizer, parse_tool_call,
+                                          render_chat, template_supports_tools, tokenizer_from_gguf,
+                                          unknown_words, word_level_tokenizer)
 
 STRINGS = [
     "Hello world",
@@ -134,6 +134,14 @@ def test_word_level_round_trip():
   ids = tok.encode("<|im_start|>go<|im_end|>", add_special_tokens=False)
   assert ids == [4, 6, 5]
   assert tok.decode(ids, skip_special_tokens=True) == "go"
+
+
+def test_unknown_words_names_what_becomes_unk():
+  tok = word_level_tokenizer(["go", "north"], extra_special_tokens=["<act>"])
+  # Unknown words in order, repeats kept; the literal unk token and special tokens are not unknown.
+  assert unknown_words(tok, "go west <unk> north <act> west  up") == ["west", "west", "up"]
+  assert unknown_words(tok, "go north <act>") == [] and unknown_words(tok, "") == []
+  assert unknown_words(char_tokenizer(), "any text at all, \u00e9\u4e2d") == []  # byte level
 
 
 def test_word_level_custom_specials_and_errors():

@@ -10,6 +10,7 @@ import pytest
 from longhorizon import envs, rollout
 from longhorizon.core.episode import Termination, to_device
 from longhorizon.envs import testing
+from longhorizon.envs.pointer_chain import PointerChain
 from longhorizon.models import init_params, tiny_config
 from longhorizon.train import algorithms
 from longhorizon.train.update import LossOptions, episode_logprobs
@@ -98,6 +99,36 @@ def test_oracle_script_gives_successful_episodes_with_the_same_layout(env, codec
   assert (batch.score == 1.0).all()
   text = codec.decode(batch.tokens[0][batch.loss_mask[0]])
   assert text.split()[0] == "lookup" and text.count("<eot>") == 3
+
+
+class _MissingWord(PointerChain):
+  """pointer_chain whose vocabulary() misses one word (a gap a user's environment may have)."""
+
+  def __init__(self, missing: str, **params):
+    super().__init__(**params)
+    self.missing = missing
+
+  def vocabulary(self):
+    return [w for w in super().vocabulary() if w != self.missing]
+
+
+@pytest.mark.parametrize("missing,per_row", [("hops", 1), ("->", 2), (None, 0)])
+def test_unknown_words_are_counted_in_the_rollout_stats(missing, per_row):
+  """The oracle still solves every task when a word is missing from the vocabulary (it acts on the
+  state), so the gap is counted: "hops" is in each row's prompt once (`start 3 hops 2`), "->" in
+  each of the two observations a row gets (`5 -> 2`, after each lookup; the answer ends the row)."""
+  base = _MissingWord(missing, horizon=2) if missing else envs.make("pointer_chain", horizon=2)
+  env = envs.TimeLimit(base, 5)
+  codec = env.codec(style="compact")
+  keys = jax.random.split(jax.random.key(7), 2)
+  rc = rollout.RolloutConfig(group_size=2, context_length=128, max_steps=5, turn_tokens=6)
+  batch, stats = rollout.collect(None, None, env, codec, testing.tasks_from_keys(env, keys), keys,
+                                 rc, sampling_seed=0, scripted=rollout.oracle_turns(env, codec))
+  assert batch.success.all()
+  unk = codec.tokenizer.unk_token_id
+  assert int((batch.tokens[batch.attention_mask] == unk).sum()) == 4 * per_row
+  assert stats.unknown_words == 4 * per_row
+  assert stats.as_dict()["rollout/unknown_words"] == 4 * per_row
 
 
 def test_env_error_episodes_are_kept_but_excluded():

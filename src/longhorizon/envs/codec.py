@@ -16,8 +16,10 @@ policy's end-of-turn token. Without a chat template (the environment's default t
 prompt is `<bos> {system} {task} <act>`, the policy answers `{action} <eot>` and an observation is
 ` {text} <act>`.
 
-Observations are tokenised on their own and appended: the history is never re-tokenised. Parsing
-never raises: malformed text becomes `Action.invalid(code)` with a message naming the problem.
+Observations are tokenised on their own and appended: the history is never re-tokenised. A word the
+tokenizer does not know (one missing from the environment's `vocabulary()`) would become `<unk>`:
+`Codec.unknown_words(text)` names such words, `envs.testing` raises on them and `rollout.collect`
+counts them (`RolloutStats.unknown_words`). Parsing never raises: malformed text becomes `Action.invalid(code)` with a message naming the problem.
 
 What the parser accepts (the same in every environment; anything else is a parse error, never a
 different action):
@@ -43,7 +45,8 @@ from typing import Any
 import numpy as np
 
 from longhorizon.envs.types import ERROR_MESSAGES, Action, ErrorCode
-from longhorizon.models.tokenizer import chat_text, char_tokenizer, parse_tool_call, word_level_tokenizer
+from longhorizon.models.tokenizer import (chat_text, char_tokenizer, parse_tool_call, unknown_words,
+                                         word_level_tokenizer)
 
 __all__ = ["Codec", "STYLES", "default_tokenizer", "ACT", "EOT", "BOS"]
 
@@ -136,16 +139,26 @@ class Codec:
     intro = self.env.system_text(self.style)
     return f"{intro} {self.usage()}" if self.style == "compact" else intro
 
-  def render_prompt(self, state) -> list[int]:
-    """Token ids of system + task for one (unbatched) `EnvState` or task pytree."""
+  def prompt_text(self, state) -> str:
+    """The text `render_prompt` encodes: system + task (framed) for one (unbatched) `EnvState` or
+    task pytree."""
     task = getattr(state, "task", state)
     task = _to_numpy(task)
     system, user = self.system_text(), self.env.task_text(task, self.style)
     if self.chat:
       messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
       tools = self.tool_schemas if self.style == "tool_call" else None
-      return self.tokenizer.encode(chat_text(self.tokenizer, messages, tools), add_special_tokens=False)
-    return self._encode(f"{BOS} {system} {user} {ACT}")
+      return chat_text(self.tokenizer, messages, tools)
+    return f"{BOS} {system} {user} {ACT}"
+
+  def render_prompt(self, state) -> list[int]:
+    """Token ids of system + task for one (unbatched) `EnvState` or task pytree."""
+    return self._encode(self.prompt_text(state))
+
+  def unknown_words(self, text: str) -> list[str]:
+    """The words of `text` this codec's tokenizer can only encode as its unknown token (in order,
+    repeats kept; none for a byte-level tokenizer)."""
+    return unknown_words(self.tokenizer, text)
 
   def observation_text(self, timestep, message: str | None = None) -> str:
     """The text of one (unbatched) time step's observation; `message` (from `parse_action`) adds
@@ -159,14 +172,18 @@ class Codec:
       return f"{text} . {self.usage()}"
     return self.env.observation_text(observation, self.style)
 
-  def render_observation(self, timestep, message: str | None = None) -> list[int]:
-    """Token ids appended after the policy's turn: the observation and the cue for the next action.
-    Only the new text is tokenised."""
+  def observation_turn_text(self, timestep, message: str | None = None) -> str:
+    """The text `render_observation` encodes: the observation framed as the next turn."""
     text = self.observation_text(timestep, message)
     if self.chat:
       before, after = self._observation_frame
-      return self._encode(before + text + after)
-    return self._encode(f" {text} {ACT}")
+      return before + text + after
+    return f" {text} {ACT}"
+
+  def render_observation(self, timestep, message: str | None = None) -> list[int]:
+    """Token ids appended after the policy's turn: the observation and the cue for the next action.
+    Only the new text is tokenised."""
+    return self._encode(self.observation_turn_text(timestep, message))
 
   def _frame_observation(self) -> tuple[str, str]:
     role = "tool" if self.style == "tool_call" else "user"

@@ -3,6 +3,11 @@ rollouts under jit + vmap (oracle, uniformly random, or any jittable policy).
 
 These are what the tests, the task-suite checks and the environment benchmark use; they are also
 the quickest way to sanity-check a new environment in a notebook.
+
+The text path is checked, not only driven: `text_episode` raises when a prompt or an observation
+does not survive encode -> decode (`check_text_round_trip`), e.g. a word missing from the
+environment's `vocabulary()`, which the word-level tokenizer would turn into `<unk>`. The oracle's
+success alone cannot show such a gap: the scripted oracle acts on the state, not on the text.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import numpy as np
 from longhorizon.envs.base import Environment
 from longhorizon.envs.types import Action, EnvState, TimeStep
 
-__all__ = ["random_action", "text_episode", "structured_rollout", "tasks_from_keys"]
+__all__ = ["random_action", "text_episode", "check_text_round_trip", "structured_rollout",
+           "tasks_from_keys"]
 
 
 def random_action(env: Environment, state: EnvState, key: jax.Array) -> Action:
@@ -39,11 +45,38 @@ def random_action(env: Environment, state: EnvState, key: jax.Array) -> Action:
   return Action(tool=tool.astype(jnp.int32), args=args, error=jnp.zeros((), jnp.int32))
 
 
+def check_text_round_trip(codec, text: str, where: str = "text") -> list[int]:
+  """The ids of `text` (as the codec encodes environment text), after checking that they decode
+  back to `text`: the same words in the same order (a word-level tokenizer keeps words, not their
+  spacing; a byte-level one gives the text back exactly).
+
+  Raises:
+    ValueError naming `where`, the words the tokenizer does not know (each would be its unknown
+    token; add them to the environment's `vocabulary()`), or else the first word that differs.
+  """
+  unknown = codec.unknown_words(text)
+  if unknown:
+    raise ValueError(
+        f"{where}: the tokenizer does not know {sorted(set(unknown))} ({len(unknown)} occurrence(s); "
+        f"each is encoded as {codec.tokenizer.unk_token!r}); add them to "
+        f"{codec.env.name}.vocabulary(). Text: {text!r}")
+  ids = codec.tokenizer.encode(text, add_special_tokens=False)
+  want, got = text.split(), codec.decode(ids).split()
+  if got != want:
+    i = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+    raise ValueError(f"{where}: encode -> decode changes the text at word {i}: expected "
+                     f"{want[i:i + 3]!r}, got {got[i:i + 3]!r}. Text: {text!r}")
+  return ids
+
+
 def text_episode(env: Environment, codec, key: jax.Array, task: Any = None,
                  policy: Callable[[EnvState, jax.Array], Action] | None = None,
-                 max_steps: int = 200) -> dict:
+                 max_steps: int = 200, check_text: bool = True) -> dict:
   """One episode through the full text path: policy action -> `format_action` -> text ->
   `parse_action` -> `step` -> `render_observation` (default policy: the oracle).
+
+  With `check_text` (default), the prompt and every observation go through
+  `check_text_round_trip`, which raises `ValueError` on a word the tokenizer does not know.
 
   Returns a dict with `ids` (prompt, then each action text's ids and each observation's ids, as a
   rollout would append them), `actions` (texts), `observations` (texts), `parsed_ok` (bools),
@@ -51,6 +84,8 @@ def text_episode(env: Environment, codec, key: jax.Array, task: Any = None,
   step = _jitted(env, "step")
   state, timestep = _jitted(env, "reset")(key, task)
   policy = policy or (lambda s, k: _jitted(env, "oracle")(s))
+  if check_text:
+    check_text_round_trip(codec, codec.prompt_text(state), "prompt")
   ids = list(codec.render_prompt(state))
   out = {"actions": [], "observations": [], "parsed_ok": [], "timesteps": []}
   for t in range(max_steps):
@@ -62,6 +97,9 @@ def text_episode(env: Environment, codec, key: jax.Array, task: Any = None,
     parsed, ok, message = codec.parse_action(codec.decode(
         codec.tokenizer.encode(text, add_special_tokens=False) + list(codec.stop_token_ids)))
     state, timestep = step(state, parsed)
+    if check_text:
+      check_text_round_trip(codec, codec.observation_turn_text(timestep, message),
+                            f"observation after action {t} ({text!r})")
     observation = codec.render_observation(timestep, message)
     ids += observation
     out["actions"].append(text)

@@ -18,8 +18,10 @@ Context budget: the cache holds `context_length` tokens. A row whose next observ
 turn would not fit is stopped after its step and marked truncated (`CONTEXT_OVERFLOW`), not failed.
 A row still running after `max_steps` steps is truncated (`TIMEOUT`).
 
-Sliding-window mode (`window_turns=k > 0`): instead of one row per episode, every turn becomes one
-training row whose context is system + task + the last `k` turns (see `sliding_window_rows`).
+Words of the prompts and observations that the tokenizer can only encode as its unknown token (a
+gap in the environment's `vocabulary()`) are counted in `RolloutStats.unknown_words`, which lands
+in the run's metrics as `rollout/unknown_words`: the policy sees `<unk>` there, although a scripted
+oracle, acting on the state, still succeeds.
 """
 
 from __future__ import annotations
@@ -75,6 +77,9 @@ class RolloutStats:
   env_steps: int = 0
   episodes: int = 0
   turns: int = 0  # decode rounds
+  # Words of the prompts and appended observations encoded as the tokenizer's unknown token (every
+  # row counts its own prompt); nonzero means the environment's vocabulary() misses them.
+  unknown_words: int = 0
   # Per-episode facts for evaluation ([B] arrays): tool_calls, invalid_actions, unauthorized
   # (forbidden calls), faulted (saw a recoverable injected fault), loop, difficulty, and whatever
   # the environment's `episode_info` reports (e.g. collateral_damage, attack_success).
@@ -84,7 +89,7 @@ class RolloutStats:
     total = self.generation_s + self.env_s + self.host_s
     return {"rollout/generation_s": self.generation_s, "rollout/env_s": self.env_s,
             "rollout/host_s": self.host_s, "rollout/sampled_tokens": self.sampled_tokens,
-            "rollout/env_steps": self.env_steps,
+            "rollout/env_steps": self.env_steps, "rollout/unknown_words": self.unknown_words,
             "rollout/tokens_per_s": self.sampled_tokens / max(total, 1e-9),
             "rollout/env_steps_per_s": self.env_steps / max(total, 1e-9),
             "rollout/generation_frac": self.generation_s / max(total, 1e-9)}
@@ -99,6 +104,15 @@ def _env_fns(env: Environment):
 
 def _bucket(n: int, minimum: int = 8) -> int:
   return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _unknown_count(codec, ids, text) -> int:
+  """Words of `text()` (the text `ids` encode) that became the unknown token; `text` is built only
+  when `ids` hold that token."""
+  unk = codec.tokenizer.unk_token_id
+  if unk is None or unk not in ids:
+    return 0
+  return len(codec.unknown_words(text()))
 
 
 def _pad_rows(rows: list[list[int]], width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -162,7 +176,10 @@ def collect(params, model_config: ModelConfig, env: Environment, codec, tasks: A
   stats.env_s += time.perf_counter() - start
 
   host_tasks = to_numpy(tasks)
-  prompts = [codec.render_prompt(jax.tree.map(lambda a, i=i: a[i], host_tasks)) for i in range(n)]
+  task_rows = [jax.tree.map(lambda a, i=i: a[i], host_tasks) for i in range(n)]
+  prompts = [codec.render_prompt(task) for task in task_rows]
+  stats.unknown_words += g * sum(_unknown_count(codec, ids, lambda task=task: codec.prompt_text(task))
+                                 for ids, task in zip(prompts, task_rows))
   longest = max(len(p) for p in prompts)
   if longest + config.turn_tokens + 1 > length:
     raise ValueError(f"context_length={length} cannot hold the longest prompt ({longest} tokens) "
@@ -276,13 +293,16 @@ def collect(params, model_config: ModelConfig, env: Environment, codec, tasks: A
     # Observations for the rows that go on.
     extension = [[] for _ in range(b)]
     for r in np.nonzero(active & ~finished)[0]:
-      ids = ([] if out_stopped[r] else [eot]) + list(
-          codec.render_observation(jax.tree.map(lambda a, r=r: a[r], ts), messages[r] or None))
+      ts_r = jax.tree.map(lambda a, r=r: a[r], ts)
+      observation = list(codec.render_observation(ts_r, messages[r] or None))
+      ids = ([] if out_stopped[r] else [eot]) + observation
       if end[r] + len(ids) + config.turn_tokens + 1 > length or t + 1 >= max_steps:
         done[r] = True
         truncated[r] = True
         kind[r] = Termination.TIMEOUT if t + 1 >= max_steps else Termination.CONTEXT_OVERFLOW
         continue
+      text = lambda ts_r=ts_r, m=messages[r] or None: codec.observation_turn_text(ts_r, m)
+      stats.unknown_words += _unknown_count(codec, observation, text)
       extension[r] = ids
       tokens[r, end[r]:end[r] + len(ids)] = ids
       turn_ids[r, end[r]:end[r] + len(ids)] = t

@@ -28,7 +28,7 @@ __all__ = ["process_share", "allgather_rows", "collect_across_processes"]
 # RolloutStats fields merged across processes: wall times by their maximum (the slowest process
 # sets the pace), counts by their sum (turns, the number of decode rounds, by the maximum).
 _MAX_FIELDS = ("generation_s", "env_s", "host_s", "turns")
-_SUM_FIELDS = ("sampled_tokens", "env_steps", "episodes")
+_SUM_FIELDS = ("sampled_tokens", "env_steps", "episodes", "unknown_words")
 
 
 def process_share(n: int, what: str = "tasks") -> tuple[int, int]:
