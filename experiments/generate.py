@@ -27,6 +27,7 @@ from absl import logging
 import jax
 import numpy as np
 
+from longhorizon import logs
 from longhorizon import models
 from longhorizon.models import checkpoint
 from longhorizon.models import tokenizer as tokenizer_lib
@@ -129,6 +130,7 @@ def check_context(num_prompt_tokens: int, max_new_tokens: int, context: int):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  logs.setup()  # absl at INFO; each record once (huggingface_hub has its own handler)
   messages = None if _MESSAGES.value is None else parse_messages(_MESSAGES.value)
   logging.info("jax %s on %s", jax.__version__, jax.devices())
   start = time.perf_counter()

@@ -19,6 +19,7 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
+from longhorizon import logs
 from longhorizon.train import config as config_lib
 from longhorizon.train import loop
 from longhorizon.train import workdir as workdir_lib
@@ -79,11 +80,7 @@ def crash_hook():
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  logging.set_verbosity(logging.INFO)
-  # orbax logs every save step at INFO; keep the console to this run's own messages.
-  logging.get_absl_handler().addFilter(
-      lambda record: "/orbax/" not in record.pathname
-      and "/tensorflow_datasets/" not in record.pathname)
+  logs.setup()  # absl at INFO; each record once; orbax INFO and asyncio noise dropped
   maybe_initialize_distributed()
   logging.info("JAX devices: %s (process %d of %d)", jax.devices(), jax.process_index(),
                jax.process_count())

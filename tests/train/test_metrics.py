@@ -55,7 +55,8 @@ def test_resume_truncates_later_updates(tmp_path, caplog):
 
   with caplog.at_level(logging.WARNING):
     writer = MetricsWriter(tmp_path, tensorboard=False, resume_from=4)
-  assert any("dropping lines [7]" in r.getMessage() for r in caplog.records)
+  [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  assert "line 7 is not a JSON object" in warning and "metrics.jsonl.corrupt" in warning
   with writer:
     writer.write(4, {"loss": 40.0})
   records = read_metrics(tmp_path)
@@ -66,6 +67,80 @@ def test_resume_truncates_later_updates(tmp_path, caplog):
   with MetricsWriter(tmp_path, tensorboard=False) as writer:
     writer.write(5, {"loss": 50.0})
   assert [r["update"] for r in read_metrics(tmp_path)] == [0, 1, 2, 3, 4, 5]
+
+
+
+def _write_updates(path, updates):
+  path.write_text("".join(json.dumps({"loss": float(u), "update": u}) + "\n" for u in updates))
+
+
+def _warnings(caplog):
+  return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_resume_names_the_updates_a_log_behind_the_checkpoint_lacks(tmp_path, caplog):
+  # The checkpoint is after update 5 (the loop opens the writer with resume_from=start + 1), but the
+  # line of update 5 was lost in a crash between the checkpoint and the flush of the log.
+  _write_updates(tmp_path / "metrics.jsonl", [1, 2, 3, 4])
+  with caplog.at_level(logging.WARNING):
+    writer = MetricsWriter(tmp_path, tensorboard=False, resume_from=6)
+  [warning] = _warnings(caplog)
+  assert "is behind the checkpoint" in warning and "resumes after update 5" in warning
+  assert "no record of update(s) 5 " in warning and "cannot be recomputed" in warning
+  with writer:  # the writer still works: the run goes on
+    writer.write(6, {"loss": 6.0})
+  assert [r["update"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4, 6]
+
+  # Gaps inside the log are named too, as ranges.
+  caplog.clear()
+  _write_updates(tmp_path / "metrics.jsonl", [1, 2, 5, 9])
+  with caplog.at_level(logging.WARNING):
+    MetricsWriter(tmp_path, tensorboard=False, resume_from=11).close()
+  [warning] = _warnings(caplog)
+  assert "no record of update(s) 3-4, 6-8, 10 " in warning
+
+
+def test_resume_with_no_log_names_every_update_and_a_fresh_run_warns_nothing(tmp_path, caplog):
+  with caplog.at_level(logging.WARNING):
+    MetricsWriter(tmp_path / "fresh", tensorboard=False, resume_from=1).close()
+    _write_updates((tmp_path / "complete").mkdir() or tmp_path / "complete" / "metrics.jsonl", [1, 2])
+    MetricsWriter(tmp_path / "complete", tensorboard=False, resume_from=3).close()
+  assert _warnings(caplog) == []
+  with caplog.at_level(logging.WARNING):
+    MetricsWriter(tmp_path / "lost", tensorboard=False, resume_from=4).close()
+  [warning] = _warnings(caplog)
+  assert "no record of update(s) 1-3 " in warning
+
+
+def test_a_corrupt_line_anywhere_is_quarantined_not_deleted(tmp_path, caplog):
+  log = tmp_path / "metrics.jsonl"
+  _write_updates(log, [1, 2, 3, 4])
+  lines = log.read_text().splitlines(keepends=True)
+  lines[1] = '{"loss": 2.0, "upd\x00\x00ate": 2}\n'  # a corrupted middle line (no "update")
+  log.write_text("".join(lines) + '{"loss": 5.0, "upd')  # and a line cut by a crash
+  with caplog.at_level(logging.WARNING):
+    MetricsWriter(tmp_path, tensorboard=False).close()
+  [warning] = _warnings(caplog)
+  assert "lines 2, 5 are not JSON objects" in warning
+  assert str(tmp_path / "metrics.jsonl.corrupt") in warning
+  assert [r["update"] for r in read_metrics(tmp_path)] == [1, 3, 4]
+  quarantined = [json.loads(line) for line in _lines(tmp_path / "metrics.jsonl.corrupt")]
+  assert quarantined == [{"line": 2, "text": '{"loss": 2.0, "upd\x00\x00ate": 2}'},
+                         {"line": 5, "text": '{"loss": 5.0, "upd'}]
+
+  # A later repair appends to the quarantine file (bytes that are not UTF-8 kept as escapes); a
+  # resumed run also names the lost update 2.
+  caplog.clear()
+  with open(log, "ab") as f:
+    f.write(b'{"loss": 4.5, "update": 4\xff\xfe}\n')
+  with caplog.at_level(logging.WARNING):
+    MetricsWriter(tmp_path, tensorboard=False, resume_from=5).close()
+  quarantine_warning, behind_warning = _warnings(caplog)
+  assert "line 4 is not a JSON object" in quarantine_warning
+  assert "no record of update(s) 2 " in behind_warning and "metrics.jsonl.corrupt" in behind_warning
+  assert json.loads(_lines(tmp_path / "metrics.jsonl.corrupt")[2]) == {
+      "line": 4, "text": '{"loss": 4.5, "update": 4\udcff\udcfe}'}
+  assert [r["update"] for r in read_metrics(tmp_path)] == [1, 3, 4]
 
 
 def test_read_metrics_names_the_bad_line(tmp_path):

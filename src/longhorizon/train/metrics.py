@@ -1,6 +1,6 @@
 """Metrics of a training run: a JSONL log (plus TensorBoard), a progress bar and a phase timer.
 
-    writer = MetricsWriter(workdir, is_primary=jax.process_index() == 0, resume_from=start)
+    writer = MetricsWriter(workdir, is_primary=jax.process_index() == 0, resume_from=start + 1)
     progress = Progress(num_updates, initial=start, keys=("success", "loss"),
                         enabled=jax.process_index() == 0)
     timer = Timer()
@@ -11,14 +11,22 @@
         state, metrics = jax.block_until_ready(train_step(state, batch))
       metrics = {**metrics, **timer.split()}
       timer.reset()
-      writer.write(update, metrics)
+      writer.write(update + 1, metrics)
       progress.update(**metrics)
     writer.close(); progress.close()
 
-`workdir/metrics.jsonl` holds one JSON object per `write`, keys sorted, `update` the step:
-`{"loss": 0.12, "success": 0.5, "update": 10}`; `read_metrics` reads it back. A resumed run passes
-the step it resumes from as `resume_from`, which drops the lines of later updates (written after the
-checkpoint it resumed from), so no update appears twice.
+`workdir/metrics.jsonl` holds one JSON object per `write`, keys sorted, `update` the step (the
+training loop numbers updates from 1): `{"loss": 0.12, "success": 0.5, "update": 10}`;
+`read_metrics` reads it back. Opening a writer repairs the log it appends to:
+- **Damaged lines are quarantined, never deleted.** A line that is not a JSON object with an integer
+  `update` (a line cut by a crash, a corrupted one anywhere in the file) is moved to
+  `metrics.jsonl.corrupt` as `{"line": <its line number>, "text": <the line>}`, with a warning naming
+  the lines and that file.
+- **A resumed run** passes the update it continues from as `resume_from`: lines of updates >= it
+  (written after the checkpoint it resumed from) are dropped, so no update appears twice; and a log
+  *behind* the checkpoint (updates `first_update .. resume_from - 1` missing, e.g. the last line lost
+  while its checkpoint was saved) gets a warning naming the missing updates: their metrics cannot be
+  recomputed, the run goes on without them.
 """
 
 from __future__ import annotations
@@ -37,13 +45,14 @@ import jax
 import numpy as np
 import tqdm
 
-__all__ = ["METRICS_FILE", "MetricsWriter", "read_metrics", "Progress", "Timer"]
+__all__ = ["METRICS_FILE", "QUARANTINE_SUFFIX", "MetricsWriter", "read_metrics", "Progress", "Timer"]
 
 logger = logging.getLogger(__name__)
 
 PathLike = str | os.PathLike
 
 METRICS_FILE = "metrics.jsonl"
+QUARANTINE_SUFFIX = ".corrupt"  # damaged lines of metrics.jsonl go to metrics.jsonl.corrupt
 _TB_DIR = "tb"
 _STEP_KEY = "update"
 
@@ -75,12 +84,16 @@ def _to_number(name: str, value) -> int | float | None:
 
 
 def _parse_lines(path: pathlib.Path) -> Iterator[tuple[int, str, dict | None]]:
-  """`(line number, text, record or None if not a JSON object with an int "update")` per line."""
-  with open(path, encoding="utf-8") as f:
+  """`(line number, text, record or None if not a JSON object with an int "update")` per line.
+
+  Bytes that are not UTF-8 (a corrupted block) come back as surrogate escapes, and their line as
+  not a record."""
+  with open(path, encoding="utf-8", errors="surrogateescape") as f:
     for number, text in enumerate(f, start=1):
       try:
+        text.encode("utf-8")
         record = json.loads(text)
-      except json.JSONDecodeError:
+      except (UnicodeEncodeError, json.JSONDecodeError):
         record = None
       if not (isinstance(record, dict) and isinstance(record.get(_STEP_KEY), int)):
         record = None
@@ -101,20 +114,48 @@ def read_metrics(path: PathLike) -> list[dict]:
   return records
 
 
-def _keep_earlier_lines(path: pathlib.Path, resume_from: int | None):
-  """Rewrites `path` without the lines of updates >= `resume_from` and without damaged lines."""
-  kept, dropped, damaged = [], 0, []
+def _ranges(numbers: Sequence[int], limit: int = 20) -> str:
+  """`[3, 5, 6, 7]` -> `"3, 5-7"` (the first `limit` runs, then how many numbers in all)."""
+  runs = []
+  for n in sorted(numbers):
+    if runs and n == runs[-1][1] + 1:
+      runs[-1][1] = n
+    else:
+      runs.append([n, n])
+  text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs[:limit])
+  return text if len(runs) <= limit else f"{text}, ... ({len(numbers)} in all)"
+
+
+def _quarantine(path: pathlib.Path, damaged: list[tuple[int, str]]) -> pathlib.Path:
+  """Appends the damaged `(line number, text)` lines to `<path>.corrupt`, synced; returns its path."""
+  quarantine = path.with_name(path.name + QUARANTINE_SUFFIX)
+  with open(quarantine, "a", encoding="utf-8") as f:
+    for number, text in damaged:
+      f.write(json.dumps({"line": number, "text": text.rstrip("\n")}) + "\n")
+    f.flush()
+    os.fsync(f.fileno())
+  return quarantine
+
+
+def _repair(path: pathlib.Path, resume_from: int | None) -> set[int]:
+  """Moves damaged lines of `path` to its quarantine file and drops the lines of updates >=
+  `resume_from`; returns the updates the log keeps."""
+  kept, kept_updates, dropped, damaged = [], set(), 0, []
   for number, text, record in _parse_lines(path):
     if record is None:
-      damaged.append(number)
+      damaged.append((number, text))
     elif resume_from is not None and record[_STEP_KEY] >= resume_from:
       dropped += 1
     else:
       kept.append(text if text.endswith("\n") else text + "\n")
+      kept_updates.add(record[_STEP_KEY])
   if damaged:
-    # A crash mid-write leaves a cut last line.
-    logger.warning("%s: dropping lines %s, which are not JSON objects with an integer %r.", path,
-                   damaged, _STEP_KEY)
+    # Written (and synced) before the log is rewritten without them: nothing is lost on a crash.
+    quarantine = _quarantine(path, damaged)
+    which = (f"line {damaged[0][0]} is not a JSON object" if len(damaged) == 1 else
+             f"lines {_ranges([n for n, _ in damaged])} are not JSON objects")
+    logger.warning("%s: %s with an integer %r (a line cut by a crash, or a corrupted one); moved, "
+                   "with line numbers, to %s.", path, which, _STEP_KEY, quarantine)
   if dropped:
     logger.info("%s: dropping %d lines of updates >= %d (resuming from update %d).", path, dropped,
                 resume_from, resume_from)
@@ -122,6 +163,22 @@ def _keep_earlier_lines(path: pathlib.Path, resume_from: int | None):
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(kept), encoding="utf-8")
     os.replace(tmp, path)
+  return kept_updates
+
+
+def _warn_missing(path: pathlib.Path, logged: set[int], first_update: int, resume_from: int):
+  """Warns when the log lacks updates `first_update .. resume_from - 1` (it is behind the
+  checkpoint the run resumes from)."""
+  missing = sorted(set(range(first_update, resume_from)) - logged)
+  if not missing:
+    return
+  quarantine = path.with_name(path.name + QUARANTINE_SUFFIX)
+  damaged = f"; damaged lines are kept in {quarantine}" if quarantine.exists() else ""
+  logger.warning(
+      "%s is behind the checkpoint: the run resumes after update %d, but the log has no record of "
+      "update(s) %s (lost in a crash after their checkpoint was saved, or damaged%s). Their metrics "
+      "cannot be recomputed (the checkpoint holds the parameters, not the rollouts); the run "
+      "continues and the log will lack them.", path, resume_from - 1, _ranges(missing), damaged)
 
 
 class MetricsWriter:
@@ -134,12 +191,15 @@ class MetricsWriter:
     is_primary: False on every JAX process but one (`jax.process_index() != 0`): the writer then
       writes nothing and touches no file.
     resume_from: the update a resumed run continues from: lines of updates >= it are removed from an
-      existing log, and TensorBoard hides their events (`purge_step`). None keeps the log as it is
-      (damaged lines, e.g. a line cut by a crash, are dropped in both cases).
+      existing log, TensorBoard hides their events (`purge_step`), and missing updates
+      `first_update .. resume_from - 1` are named in a warning. None keeps every record of the log.
+      Damaged lines are moved to `metrics.jsonl.corrupt` in both cases (see the module docstring).
+    first_update: the number of a run's first update (the training loop's are 1, 2, ...); only
+      used to name the updates a resumed log lacks.
   """
 
   def __init__(self, workdir: PathLike, *, tensorboard: bool = True, is_primary: bool = True,
-               resume_from: int | None = None):
+               resume_from: int | None = None, first_update: int = 1):
     self.workdir = pathlib.Path(workdir)
     self.path = self.workdir / METRICS_FILE
     self.is_primary = is_primary
@@ -150,8 +210,9 @@ class MetricsWriter:
     if resume_from is not None:
       resume_from = operator.index(resume_from)
     self.workdir.mkdir(parents=True, exist_ok=True)
-    if self.path.exists():
-      _keep_earlier_lines(self.path, resume_from)
+    logged = _repair(self.path, resume_from) if self.path.exists() else set()
+    if resume_from is not None:
+      _warn_missing(self.path, logged, operator.index(first_update), resume_from)
     self._file = open(self.path, "a", encoding="utf-8")
     if tensorboard:
       try:
