@@ -76,8 +76,6 @@ _SEED = flags.DEFINE_integer("seed", None, "Evaluation seed (default: the workdi
 _OUT = flags.DEFINE_string("out", None, "Output folder for eval.json and eval.png.")
 flags.mark_flags_as_required(["checkpoint", "out"])
 
-# The seed offset of the training run's evaluations (`loop._evaluate_both(..., config.seed + 17)`).
-_RUN_EVAL_SEED_OFFSET = 17
 
 
 def parse_faults(text: str) -> dict[str, float]:
@@ -218,7 +216,7 @@ def _from_workdir(workdir: str) -> _Evaluation:
       reward=config_lib.reward_config(config),
       policy={"params": state.params, "model_config": s.model_config},
       defaults={"split": split, "k": config.eval.k, "num_tasks": config.eval.num_tasks,
-                "seed": config.seed + _RUN_EVAL_SEED_OFFSET, "env": config.env.name,
+                "seed": loop.eval_seed(config), "env": config.env.name,
                 "faults": dict(config.env.faults)},
       context=loop.in_mesh(s))
 

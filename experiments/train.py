@@ -20,6 +20,7 @@ import jax
 from ml_collections import config_flags
 
 from longhorizon import logs
+from longhorizon.envs import tasks as task_suites
 from longhorizon.train import config as config_lib
 from longhorizon.train import loop
 from longhorizon.train import workdir as workdir_lib
@@ -88,7 +89,8 @@ def main(argv):
     config_lib.validate(_CONFIG.value)
     result = loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value, hook=crash_hook(),
                                      init_from=_INIT_FROM.value)
-  except (config_lib.ConfigError, workdir_lib.WorkdirError, CheckpointError) as e:
+  except (config_lib.ConfigError, workdir_lib.WorkdirError, CheckpointError,
+          task_suites.CorruptSuiteError) as e:
     # A config field or a workdir the user can fix: the message names it; no traceback.
     logging.error("%s", e)
     sys.exit(2)

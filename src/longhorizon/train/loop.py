@@ -56,7 +56,7 @@ from longhorizon.train.metrics import MetricsWriter, Progress, Timer
 from longhorizon.train.update import (TrainState, critic_values, episode_logprobs, make_optimizer,
                                       rl_update, sft_update)
 
-__all__ = ["train_and_evaluate", "Setup", "setup", "evaluate_policy"]
+__all__ = ["train_and_evaluate", "Setup", "setup", "evaluate_policy", "eval_seed"]
 
 
 @dataclasses.dataclass
@@ -215,6 +215,11 @@ def evaluate_policy(s: Setup, params, split: str, num_tasks: int, *, temperature
           "env_error_rate": float(np.mean(np.asarray(batch.env_error).any(-1)))}
 
 
+def eval_seed(config) -> int:
+  """The seed of a run's evaluations (warm start, `eval.every`, final); evaluate.py reuses it."""
+  return config.seed + 17
+
+
 def _evaluate_both(s: Setup, params, seed: int, full: bool = False) -> dict:
   """Sampled (training temperature) and greedy success on `eval.split`; with `full`, the whole
   evaluation report (`eval.k` attempts per task: pass@k, pass^k, milestones, rates, buckets)."""
@@ -260,6 +265,9 @@ def warm_start(s: Setup, state: TrainState) -> tuple[TrainState, dict]:
   for _ in range(c.sft.steps):
     sft_state, metrics = sft_update(sft_state, batch, config=s.model_config, optimizer=sft_opt,
                                     minibatches=c.sft.minibatches)
+    # One step in flight: on a multi-device mesh the CPU client deadlocks once a device has 32
+    # queued computations with collectives (BUILD_NOTES, "sharded SFT deadlock").
+    jax.block_until_ready(sft_state)
   metrics = {k: float(v) for k, v in metrics.items()}
   # `sft_update` donated `sft_state` (and the buffers it shared with `state`): continue from it.
   state = sft_state.replace(opt_state=s.optimizer.init(sft_state.params))
@@ -447,7 +455,7 @@ def new_run(s: Setup, state: TrainState, config) -> tuple[TrainState, dict]:
                config.sft.episodes)
   state, sft_metrics = warm_start(s, state)
   state = with_reference(s, state)
-  warm = _evaluate_both(s, state.params, config.seed + 17, full=True)
+  warm = _evaluate_both(s, state.params, eval_seed(config), full=True)
   # RL tasks start after the SFT tasks, so the first updates do not replay the demonstrations.
   meta = {"update": 0, "data_position": config.sft.episodes if config.sft.steps else 0,
           "warm_start": warm, "sft": sft_metrics}
@@ -504,7 +512,7 @@ def start_from(s: Setup, state: TrainState, source: str) -> tuple[TrainState, di
             "algorithm": saved.get("algorithm", {}).get("name")}
   logging.info("New run from %s (checkpoint step %d, %s): evaluating the starting policy.", src,
                step, origin["algorithm"])
-  warm = _evaluate_both(s, state.params, s.config.seed + 17, full=True)
+  warm = _evaluate_both(s, state.params, s.eval_seed(config), full=True)
   meta = {"update": 0, "data_position": int(src_meta.get("data_position", 0)),
           "warm_start": warm, "sft": src_meta.get("sft", {}), "init_from": origin}
   return state, meta
@@ -616,7 +624,7 @@ def _train_and_evaluate(s: Setup, config, workdir: str, *, hook=None, init_from=
                       update + 1, int(metrics["skipped_updates"] - skipped_before))
     skipped_before = metrics.get("skipped_updates", skipped_before)
     if config.eval.every and (update + 1) % config.eval.every == 0:
-      for k, v in _evaluate_both(s, state.params, config.seed + 17).items():
+      for k, v in _evaluate_both(s, state.params, eval_seed(config)).items():
         metrics[f"eval/{k}"] = v
     writer.write(update + 1, metrics)
     progress.update(1, success=metrics["success_rate"], loss=metrics["loss"])
@@ -632,7 +640,7 @@ def _train_and_evaluate(s: Setup, config, workdir: str, *, hook=None, init_from=
   checkpointer.wait()
   writer.close()
 
-  final = _evaluate_both(s, state.params, config.seed + 17, full=True)
+  final = _evaluate_both(s, state.params, eval_seed(config), full=True)
   warm = meta["warm_start"]
   result = dict(final)
   result.update({"warm_start_success_rate": warm["success_rate"],
