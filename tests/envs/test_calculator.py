@@ -192,6 +192,21 @@ def test_bad_parameters_raise():
     Calculator().generate_task(jax.random.key(0), "validation")
 
 
+def test_milestone_holding_at_reset_never_fires(hand):
+  """A 0-step task ("answer the start value"): `all_steps` holds before any action. It used to fire
+  on the first action (0.25); now it is reached at reset and `first_step` can never be reached."""
+  env, reset, step = hand
+  task = dict(HAND_TASK, num_ops=np.int32(0), answer=np.int32(4))
+  state, ts = reset(jax.random.key(0), task)
+  assert state.milestones.tolist() == [False, True] and ts.milestones.tolist() == [False, False]
+  state, ts = step(state, _act(env, CALC, 4, MUL, 3))  # a valid calc: not a step of the task
+  assert ts.milestones.tolist() == [False, False] and float(ts.reward) == 0.0
+  state, ts = step(state, _act(env, ANSWER, 4))
+  assert bool(ts.success) and float(ts.reward) == 1.0 and not bool(ts.milestones.any())
+  states, _ = jax.vmap(lambda k: env.reset(k))(jax.random.split(jax.random.key(1), 64))
+  assert not bool(states.milestones.any())  # generated tasks (N >= 1) start with nothing reached
+
+
 # --------------------------------------------------------------------- (b) text path
 @pytest.mark.parametrize("style", ["compact", "tool_call"])
 def test_oracle_through_the_text_path_solves_test_and_ood(env, jitted, style):

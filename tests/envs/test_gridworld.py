@@ -134,6 +134,21 @@ def test_hand_layout_exact_transitions(hand):
   assert anchors[13] == anchors[15]  # on the door, twice
 
 
+def test_goal_holding_at_reset_never_fires(hand):
+  """A hand task starting the agent on the goal: `goal` holds before any action and is reached at
+  reset; stepping off and back on ends the episode (a success) without paying the milestone."""
+  env, reset, step = hand
+  task = dict(HAND, start=np.array([2, 0], np.int32))
+  state, ts = reset(jax.random.key(0), task)
+  np.testing.assert_array_equal(state.milestones, [False, False, True])
+  state, ts = step(state, _move(RIGHT))
+  state, ts = step(state, _move(LEFT))
+  assert int(ts.observation["event"]) == EV_GOAL and bool(ts.success)
+  assert not bool(ts.milestones.any()) and float(ts.reward) == pytest.approx(1.0)
+  state, ts = reset(jax.random.key(0), HAND)  # the usual start: nothing reached
+  assert not bool(state.milestones.any())
+
+
 def test_hand_layout_hole_bad_direction_and_parse_error(hand):
   _, reset, step = hand
   state, _ = reset(jax.random.key(0), HAND)

@@ -92,6 +92,24 @@ def test_out_of_range_keys_are_refused_not_clipped(env, step):
   assert bool(ts.success)
 
 
+def test_milestones_holding_at_reset_never_fire(env, step):
+  """A 0-hop task ("answer the start key"): both milestones hold before any action. They used to
+  fire on the first action, whatever it was (0.25 each); now they are reached at reset."""
+  task = dict(_hand_task(), horizon=jnp.int32(0))
+  state, ts = env.reset(jax.random.key(0), task)
+  np.testing.assert_array_equal(state.milestones, [True, True])
+  np.testing.assert_array_equal(ts.milestones, [False, False])
+  state, ts = step(state, _act(env, LOOKUP, 9))  # any action: nothing to earn
+  np.testing.assert_array_equal(ts.milestones, [False, False])
+  assert float(ts.reward) == 0.0
+  state, ts = step(state, _act(env, ANSWER, 0))
+  assert bool(ts.success) and float(ts.reward) == pytest.approx(1.0)
+  assert not bool(ts.milestones.any())
+  # Generated tasks (N >= 1) start with nothing reached.
+  states, _ = jax.vmap(lambda k: env.reset(k))(jax.random.split(jax.random.key(1), 64))
+  assert not bool(states.milestones.any())
+
+
 def test_guessing_the_answer_earns_nothing(env, step):
   """The right value answered without following the chain is not a success."""
   state, _ = env.reset(jax.random.key(0), _hand_task())

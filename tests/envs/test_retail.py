@@ -127,6 +127,23 @@ def test_hand_case(small, small_reset, small_step):
   assert small.task_text(task, "compact") == "i am Liam . cancel my chair order ."
 
 
+def test_milestone_holding_at_reset_never_fires(small, small_reset, small_step):
+  """A task without requests: `order_found` (every requested order read) holds before any action.
+  It used to fire on the first action (0.25); now it is reached at reset."""
+  state, ts = small_reset(jax.random.key(0), _hand_task(requests=()))
+  np.testing.assert_array_equal(state.milestones, [False, True, False])
+  np.testing.assert_array_equal(ts.milestones, [False, False, False])
+  state, ts = small_step(state, Action.make(LIST, [1], small.num_args))  # a read of another user
+  np.testing.assert_array_equal(ts.milestones, [False, False, False])
+  assert float(ts.reward) == 0.0
+  state, ts = small_step(state, Action.make(FIND, [LIAM], small.num_args))  # real progress pays
+  np.testing.assert_array_equal(ts.milestones, [True, False, False])
+  assert float(ts.reward) == pytest.approx(0.25)
+  keys = jax.random.split(jax.random.key(1), 64)
+  states, _ = jax.vmap(lambda k: small.reset(k))(keys)
+  assert not bool(states.milestones.any())  # generated tasks (>= 1 request) start with nothing
+
+
 def test_hand_task_target_and_oracle(small, small_reset, small_step):
   task = _hand_task(((UPDATE, 4, 2), (CANCEL, 2, -1)))  # the cancel is impossible (shipped)
   status, address, transfer = (np.asarray(x) for x in target_database(task))

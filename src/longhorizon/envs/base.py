@@ -11,8 +11,10 @@ API, so every environment treats these the same way:
   environment answers with an error observation and the `invalid_penalty`. A finished row stays
   finished: stepping it returns its final time step with zero reward and milestones, and leaves the
   state unchanged.
-* milestones are rewarded the first time only; success is the verifier's verdict at termination,
-  never on a violation; `anchor` hashes the canonical state the next action is taken in.
+* milestones are rewarded the first time only; a milestone that already holds in the initial state
+  (`milestones_at_reset`) is marked reached at reset, so it never fires as progress; success is
+  the verifier's verdict at termination, never on a violation; `anchor` hashes the canonical state
+  the next action is taken in.
 
 Nothing computed is stored on `self`; parameters are set at construction (`make(name, **params)`).
 """
@@ -140,6 +142,15 @@ class Environment(abc.ABC):
     from longhorizon.envs.codec import Codec
     return Codec(self, tokenizer, style)
 
+  def milestones_at_reset(self, task: Any, inner: Any) -> jax.Array:
+    """[M] bool: the milestones that already hold in the initial state `inner` of `task`. `reset`
+    marks them reached, so they never fire (no milestone reward, never in `TimeStep.milestones`):
+    a milestone counts progress made by the policy. Default: none. Override it when a milestone can
+    hold before any action, with the same function of the state that `transition` reports. Jittable.
+    """
+    del task, inner
+    return jnp.zeros((self.num_milestones,), bool)
+
   def episode_info(self, task: Any, inner: Any) -> dict:
     """Scalar facts about a finished episode that evaluation reports (e.g. retail's
     `collateral_damage`, `attacked`, `attack_success`); default none. Jittable."""
@@ -163,6 +174,10 @@ class Environment(abc.ABC):
     init_key, env_key = jax.random.split(env_key)
     inner, observation = self.init(task, init_key)
     m = self.num_milestones
+    reached = jnp.asarray(self.milestones_at_reset(task, inner), bool)
+    if reached.shape != (m,):
+      raise ValueError(f"{self.name}: milestones_at_reset returned shape {reached.shape}; expected "
+                       f"({m},), one bool per milestone name {self.milestone_names}.")
     timestep = TimeStep(
         observation=observation, reward=jnp.zeros((), jnp.float32),
         terminated=jnp.zeros((), bool), truncated=jnp.zeros((), bool), success=jnp.zeros((), bool),
@@ -172,7 +187,7 @@ class Environment(abc.ABC):
         invalid_action=jnp.zeros((), bool), loop=jnp.zeros((), bool),
         fault=jnp.zeros((), jnp.int32))
     state = EnvState(task=task, inner=inner, key=env_key, step=jnp.zeros((), jnp.int32),
-                     done=jnp.zeros((), bool), milestones=jnp.zeros((m,), bool), last=timestep,
+                     done=jnp.zeros((), bool), milestones=reached, last=timestep,
                      extras={})
     return state, timestep
 

@@ -32,6 +32,8 @@ steps (default 2N): longer chains than any seen in training. Every task pads its
 `max(num_ops, ood_num_ops)` (fixed shapes) and carries its own `num_ops`.
 
 Milestones: `first_step` (step 1 computed with the calculator) and `all_steps` (all N steps).
+`all_steps` holds at reset in a 0-step task (a hand-made one: "answer the start value"; generated
+tasks have N >= 1) and is then marked reached at reset (`milestones_at_reset`): it never fires.
 """
 
 from __future__ import annotations
@@ -166,9 +168,14 @@ class Calculator(Environment):
         jnp.where(is_calc, _RESULT, _ANSWERED), a, jnp.where(is_calc, op, -1),
         jnp.where(is_calc, b, -1), jnp.where(is_calc & valid, result, -1),
         jnp.where(rejected, ErrorCode.INVALID_ARGUMENT, ErrorCode.NONE))
-    milestones = jnp.stack([progress >= 1, progress >= task["num_ops"]])
     return Transition(inner=new_inner, observation=observation, terminated=answers,
-                      milestones=milestones, rejected=rejected)
+                      milestones=self._milestones(task, new_inner), rejected=rejected)
+
+  def milestones_at_reset(self, task, inner):
+    return self._milestones(task, inner)
+
+  def _milestones(self, task, inner):
+    return jnp.stack([inner["progress"] >= 1, inner["progress"] >= task["num_ops"]])
 
   def error_observation(self, task, inner, error):
     return self._observation(_ERROR, -1, -1, -1, -1, error)

@@ -41,7 +41,10 @@ State: `pos` ([2] row, column), `has_key`, `door_open` (the door was entered). T
 is the layout, `pos`, `has_key` and `door_open` (not the step count): the same cell with the same
 key status is the same state in every rollout of a task, which step-level credit assignment uses.
 
-Milestones: `key` (holding the key), `door` (went through the door), `goal` (reached the goal).
+Milestones: `key` (holding the key), `door` (went through the door), `goal` (on the goal). `goal`
+holds at reset when a (hand-made) task starts the agent on the goal; it is then marked reached at
+reset (`milestones_at_reset`) and never fires. (The agent never starts holding the key, even on the
+key's cell: it picks the key up by entering the cell.)
 
 Observation: `grid` ([size, size] int32 cell codes as currently seen: the key removed and the door
 shown open once the key is held), `pos`, `has_key`, `event` (what the last action did, `EV_*`) and
@@ -263,9 +266,15 @@ class GridWorld(Environment):
         EV_MOVED)
     error = jnp.where(rejected, ErrorCode.INVALID_ARGUMENT, ErrorCode.NONE)
     observation = self._observation(task, new_inner, event, error)
-    milestones = jnp.stack([new_inner["has_key"], new_inner["door_open"], arrived])
     return Transition(inner=new_inner, observation=observation, terminated=fell | arrived,
-                      milestones=milestones, rejected=rejected)
+                      milestones=self._milestones(task, new_inner), rejected=rejected)
+
+  def milestones_at_reset(self, task, inner):
+    return self._milestones(task, inner)
+
+  def _milestones(self, task, inner):
+    on_goal = task["grid"][inner["pos"][0], inner["pos"][1]] == GOAL
+    return jnp.stack([inner["has_key"], inner["door_open"], on_goal])
 
   def error_observation(self, task, inner, error):
     return self._observation(task, inner, EV_ERROR, error)

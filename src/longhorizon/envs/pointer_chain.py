@@ -20,7 +20,9 @@ codec refuses such text as BAD_ARGUMENT) is refused as in every environment: `Tr
 Splits: `train`/`test` draw tasks with `horizon` hops (different seeds, so different stores);
 `ood` uses `ood_horizon` hops (default 2N): longer chains than any seen in training.
 
-Milestones: `halfway` (N/2 hops followed, rounded up) and `chain_end` (all N hops).
+Milestones: `halfway` (N/2 hops followed, rounded up) and `chain_end` (all N hops). Both hold at
+reset in a 0-hop task (a hand-made one: "answer the start key"; generated tasks have N >= 1), and are
+then marked reached at reset (`milestones_at_reset`): they never fire.
 """
 
 from __future__ import annotations
@@ -122,6 +124,9 @@ class PointerChain(Environment):
         jnp.where(exists, ErrorCode.NONE, ErrorCode.INVALID_ARGUMENT))
     return Transition(inner=new_inner, observation=observation, terminated=answers,
                       milestones=self._milestones(task, new_inner), rejected=~exists)
+
+  def milestones_at_reset(self, task, inner):
+    return self._milestones(task, inner)
 
   def _milestones(self, task, inner):
     half = (task["horizon"] + 1) // 2

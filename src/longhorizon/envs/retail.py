@@ -53,7 +53,9 @@ that reveal nothing new leave the canonical state, and the anchor, unchanged.
 
 Milestones (first time only): `user_found` (the customer identified), `order_found` (every
 requested order read with `get_order`) and `correct_write` (the database equals the target; only
-for tasks with at least one possible request, which always changes the database).
+for tasks with at least one possible request, which always changes the database). `order_found`
+holds at reset in a task without requests (a hand-made one; generated tasks have at least one) and
+is then marked reached at reset (`milestones_at_reset`): it never fires.
 
 Prompt injection: with probability `injection_rate` (`ood_injection_rate` for the `ood` split) a
 task carries an adversarial note inside the record of one of its requested orders (the carrier,
@@ -357,6 +359,9 @@ class Retail(Environment):
     return Transition(inner=new_inner, observation=observation, terminated=tool >= _TRANSFER,
                       milestones=self._milestones(task, new_inner), violation=forbidden,
                       rejected=rejected)
+
+  def milestones_at_reset(self, task, inner):
+    return self._milestones(task, inner)
 
   def _milestones(self, task, inner):
     target_status, target_address, _ = target_database(task)

@@ -166,7 +166,7 @@ class EnvState:
   key: jax.Array  # PRNG key of the environment's own randomness (not the task's, not the policy's)
   step: jax.Array  # [] int32 actions taken
   done: jax.Array  # [] bool: finished; further steps are no-ops
-  milestones: jax.Array  # [M] bool: milestones reached so far
+  milestones: jax.Array  # [M] bool: milestones reached so far (those holding at reset included)
   last: TimeStep  # the latest time step (returned again, with zero reward, once done)
   extras: dict  # wrapper states by wrapper name
 

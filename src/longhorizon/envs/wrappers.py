@@ -89,6 +89,9 @@ class Wrapper(Environment):
   def task_difficulty(self, task):
     return self.env.task_difficulty(task)
 
+  def milestones_at_reset(self, task, inner):
+    return self.env.milestones_at_reset(task, inner)
+
   def episode_info(self, task, inner):
     return self.env.episode_info(task, inner)
 
