@@ -243,9 +243,118 @@ def _workdir_probes() -> list[Probe]:
   ]
 
 
+def _evaluate(*flags: str) -> list[str]:
+  return _python("evaluate.py", "--out={dir}/eval", *flags)
+
+
+def _evaluate_probes() -> list[Probe]:
+  same_as_run = lambda f: "" if {k: v for k, v in json.loads(
+      (f / "eval" / "eval.json").read_text()).items() if k == "success_rate"} == {
+          "success_rate": json.loads((f / "w" / "eval.json").read_text())["success_rate"]} \
+      else "evaluate.py's success differs from the run's eval.json"
+  return [
+      Probe("evaluate", "--k=0", _evaluate("--checkpoint=oracle", "--env=pointer_chain", "--k=0"),
+            "error", "--k=0 is not allowed"),
+      Probe("evaluate", "--num_tasks=0", _evaluate("--checkpoint=oracle", "--env=pointer_chain",
+                                                   "--num_tasks=0"),
+            "error", "--num_tasks=0 is not allowed"),
+      Probe("evaluate", "--env_params bad JSON", _evaluate(
+          "--checkpoint=oracle", "--env=pointer_chain", "--env_params={bad"),
+            "error", "is not valid JSON"),
+      Probe("evaluate", "--env unknown", _evaluate("--checkpoint=oracle", "--env=chess"),
+            "error", "chess"),
+      Probe("evaluate", "workdir evaluated on the run's tasks", _evaluate("--checkpoint={dir}/w"),
+            "ok", setup=_copy_of_base, check=same_as_run),
+      Probe("evaluate", "workdir without a checkpoint", _evaluate("--checkpoint={dir}/w"),
+            "error", "no checkpoint", setup=_config_only),
+  ]
+
+
+def _config_only(folder):
+  """folder/w with the smoke config.json of a run that never reached its first checkpoint."""
+  sys.path.insert(0, str(ROOT))
+  from configs import default  # the repository's config module (not a package import)
+  (folder / "w").mkdir()
+  (folder / "w" / "config.json").write_text(default.get_config("smoke").to_json_best_effort())
+
+
+def _generate_probes() -> list[Probe]:
+  long_chat = json.dumps([{"role": "user", "content": "word " * 9001}])
+  return [
+      Probe("generate", "9,001-token prompt", _python(
+          "generate.py", "--checkpoint=smollm2", f"--messages={long_chat}"),
+            "error", "the model's context is 8192 tokens"),
+      Probe("generate", "--max_new_tokens=1000000000", _python(
+          "generate.py", "--checkpoint=smollm2", "--prompt=Hello", "--max_new_tokens=1000000000"),
+            "error", "--max_new_tokens"),
+      Probe("generate", "--temperature=-1", _python(
+          "generate.py", "--checkpoint=smollm2", "--prompt=Hello", "--temperature=-1"),
+            "error", "--temperature"),
+      Probe("generate", "unknown chat role", _python(
+          "generate.py", "--checkpoint=smollm2", '--messages=[{"role":"robot","content":"hi"}]'),
+            "error", "allowed roles"),
+      Probe("generate", "--messages bad JSON", _python(
+          "generate.py", "--checkpoint=smollm2", "--messages=[{"), "error", "not valid JSON"),
+  ]
+
+
+def _cut_last_metrics_line(folder):
+  _copy_of_base(folder)
+  path = folder / "w" / "metrics.jsonl"
+  path.write_text("".join(path.read_text().splitlines(keepends=True)[:-1]))
+
+
+def _corrupt_first_metrics_line(folder):
+  _copy_of_base(folder)
+  path = folder / "w" / "metrics.jsonl"
+  lines = path.read_text().splitlines(keepends=True)
+  path.write_text("{garbage\n" + "".join(lines[1:]))
+
+
+def _metrics_probes() -> list[Probe]:
+  resume = _train("--config.num_updates=3", "--config.checkpoint_every=1")
+  return [
+      Probe("metrics", "last line lost, its checkpoint kept", resume, "ok",
+            "the log has no record of update(s) 2", setup=_cut_last_metrics_line),
+      Probe("metrics", "middle line corrupt", resume, "ok", "metrics.jsonl.corrupt",
+            setup=_corrupt_first_metrics_line,
+            check=lambda f: "" if "{garbage" in (f / "w" / "metrics.jsonl.corrupt").read_text()
+            else "the corrupt line was not kept"),
+  ]
+
+
+def _damage_suite(folder):
+  """A finished run whose test-split task file (in a copy of the task data) has 16 bytes flipped."""
+  _copy_of_base(folder)
+  shutil.copytree(folder.parent / "data", folder / "data")
+  target = sorted((folder / "data").rglob("*test.array_record*"))[0]
+  raw = bytearray(target.read_bytes())
+  raw[100:116] = bytes(255 - b for b in raw[100:116])
+  target.write_bytes(bytes(raw))
+
+
+def _suite_probes() -> list[Probe]:
+  return [Probe("tasks", "task suite file corrupted", _evaluate("--checkpoint={dir}/w"), "error",
+                "delete the folder", setup=_damage_suite, env={"LONGHORIZON_DATA": "{dir}/data"})]
+
+
+def _sharded_probes() -> list[Probe]:
+  return [Probe("sharded", "default config on a 2x2x2 mesh", _python(
+      "train.py", "--workdir={dir}/w", f"--config={ROOT}/configs/default.py",
+      "--config.num_updates=2", "--config.mesh.data=2", "--config.mesh.fsdp=2",
+      "--config.mesh.tensor=2", "--config.eval.num_tasks=16", "--config.tensorboard=False",
+      "--config.progress=False"), "ok",
+      env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})]
+
+
 GROUPS: dict[str, Callable[[], list[Probe]]] = {
     "config": _config_probes,
     "workdir": _workdir_probes,
+    "evaluate": _evaluate_probes,
+    "generate": _generate_probes,
+    "metrics": _metrics_probes,
+    "tasks": _suite_probes,
+    "sharded": _sharded_probes,
 }
 
 

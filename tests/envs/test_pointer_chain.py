@@ -208,9 +208,9 @@ def test_plain_python_agrees(env):
       if u < 0.1:
         tool, args, error = -1, [0], int(rng.integers(1, 6))
       elif u < 0.8:  # mostly follow the chain, sometimes a random key
-        tool, args, error = LOOKUP, [current if rng.random() < 0.7 else int(rng.integers(16))], 0
-      else:
-        tool, args, error = ANSWER, [int(rng.integers(16)) if rng.random() < 0.5 else current], 0
+        tool, args, error = LOOKUP, [current if rng.random() < 0.7 else int(rng.integers(-2, 18))], 0
+      else:  # keys are 0-15: -2, -1, 16 and 17 are refused by both
+        tool, args, error = ANSWER, [int(rng.integers(-2, 18)) if rng.random() < 0.5 else current], 0
       state, ts = step(state, envs.Action.make(tool, args, 1, error))
       out = plain.step(tool, args, error)
       current = int(state.inner["current"])

@@ -16,7 +16,8 @@ class PlainPointerChain:
     self.store = [int(v) for v in task["store"]]
     self.start, self.hops = int(task["start"]), int(task["horizon"])
     self.progress, self.current, self.answered, self.answer = 0, self.start, False, -1
-    self.reached = [False, False]
+    # Milestones that already hold at the start (a 0-hop task) are reached, never fired.
+    self.reached = [self.progress >= (self.hops + 1) // 2, self.progress >= self.hops]
     self.done = False
     return {"kind": 0, "key": self.start, "value": self.hops, "error": 0}
 
@@ -30,8 +31,13 @@ class PlainPointerChain:
               "violation": False, "invalid": True, "milestones": [False, False],
               "observation": self.observation}
     arg = args[0]
+    if not 0 <= arg < self.num_keys:  # no such key: refused, state unchanged, the episode goes on
+      self.observation = {"kind": 1 if tool == 0 else 2, "key": arg, "value": -1, "error": 6}
+      return {"reward": -self.invalid_penalty, "terminated": False, "success": False,
+              "violation": False, "invalid": True, "milestones": [False, False],
+              "observation": self.observation}
     if tool == 0:
-      value = self.store[min(max(arg, 0), self.num_keys - 1)]
+      value = self.store[arg]
       if arg == self.current and self.progress < self.hops:
         self.progress += 1
         self.current = value

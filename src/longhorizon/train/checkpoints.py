@@ -440,7 +440,13 @@ class Checkpointer:
     self._manager.wait_until_finished()
 
   def close(self):
-    """Waits for pending saves and deletions and releases orbax's threads."""
+    """Waits for pending saves, deletions and the start-up clean-up, and releases orbax's threads."""
+    # Orbax removes crashed saves' temporary folders in a background thread started with the
+    # manager and awaited only by the first save; a process that restores (or finds nothing) and
+    # exits at once would otherwise kill that thread mid-way, with a traceback after its own output.
+    await_cleanup = getattr(self._manager, "_maybe_await_cleanup_tmp_directory", None)
+    if await_cleanup is not None:
+      await_cleanup()
     self._manager.close()
 
   def __enter__(self) -> Checkpointer:
