@@ -9,10 +9,12 @@ filters:
 - **Printed once.** A record whose logger, or one of its ancestors below the root, has its own
   handler (huggingface_hub's stderr handler, jax's with `JAX_LOGGING_LEVEL`) was printed by that
   handler already; absl's skips it instead of printing it a second time.
-- **Quiet libraries.** orbax logs every save step at INFO: its records below WARNING are dropped (its
-  warnings and errors are kept). tensorflow_datasets logs every shard, and a warning about the task
-  suites' builder configs on every load: all its records are dropped (`longhorizon.envs.tasks`
-  raises `CorruptSuiteError` naming a damaged suite's file).
+- **Quiet libraries.** Every record of orbax and tensorflow_datasets is dropped. orbax logs every
+  save step at INFO, and when a save fails it logs the error from each of its threads, then, once
+  its signalling threads time out (5 minutes later), a `TimeoutError` from each: that would bury
+  the error, which orbax raises to `Checkpointer`'s caller anyway (train.py reports it).
+  tensorflow_datasets logs every shard, and a warning about the task suites' builder configs on
+  every load (`longhorizon.envs.tasks` raises `CorruptSuiteError` naming a damaged suite's file).
 - **No asyncio shutdown noise.** When an orbax save or restore fails, tensorstore callbacks still
   pending on orbax's event loops fire after the loop was closed; each one raises `RuntimeError:
   Event loop is closed` as an "unraisable" exception (dozens of tracebacks), and the coroutines
@@ -32,9 +34,8 @@ from absl import logging as absl_logging
 
 __all__ = ["setup", "ConsoleFilter"]
 
-# Libraries whose records would drown the run's own messages: below WARNING, and all of them.
-_QUIET_BELOW_WARNING = ("/orbax/",)
-_SILENT = ("/tensorflow_datasets/",)
+# Libraries whose records would drown the run's own messages (see the module docstring).
+_SILENT = ("/orbax/", "/tensorflow_datasets/")
 _CLOSED_LOOP = "Event loop is closed"
 
 
@@ -58,8 +59,7 @@ class ConsoleFilter(logging.Filter):
   """The filter `setup` puts on absl's handler (see the module docstring)."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    if any(part in record.pathname for part in _SILENT) or (record.levelno < logging.WARNING and any(
-        part in record.pathname for part in _QUIET_BELOW_WARNING)):
+    if any(part in record.pathname for part in _SILENT):
       return False
     if record.exc_info and _is_closed_loop_error(record.exc_info[1]):
       return False
