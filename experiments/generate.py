@@ -121,7 +121,8 @@ def check_context(num_prompt_tokens: int, max_new_tokens: int, context: int):
         f"(max_position_embeddings); shorten it to at most {context - 1} tokens.")
   if num_prompt_tokens + max_new_tokens > context:
     raise app.UsageError(
-        f"The prompt has {num_prompt_tokens} tokens and --max_new_tokens={max_new_tokens}: "
+        f"The prompt has {num_prompt_tokens} token{'s' if num_prompt_tokens > 1 else ''} and "
+        f"--max_new_tokens={max_new_tokens}: "
         f"{num_prompt_tokens + max_new_tokens} tokens > the model's context of {context} "
         f"(max_position_embeddings); set --max_new_tokens to at most {context - num_prompt_tokens} "
         f"or shorten the prompt.")

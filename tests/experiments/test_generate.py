@@ -80,7 +80,7 @@ def test_prompt_longer_than_the_context_is_refused_before_generating():
 def test_max_new_tokens_beyond_the_context_is_refused_before_allocating():
   result = _run("--checkpoint=smollm2", "--prompt=hi", "--max_new_tokens=1000000000", timeout=120)
   assert result.returncode != 0
-  assert ("The prompt has 1 tokens and --max_new_tokens=1000000000: 1000000001 tokens > the model's "
+  assert ("The prompt has 1 token and --max_new_tokens=1000000000: 1000000001 tokens > the model's "
           "context of 8192 (max_position_embeddings); set --max_new_tokens to at most 8191"
           ) in result.stderr, result.stderr[-2000:]
   assert "KV cache: " not in result.stderr  # no cache was allocated
