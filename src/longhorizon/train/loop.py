@@ -512,7 +512,7 @@ def start_from(s: Setup, state: TrainState, source: str) -> tuple[TrainState, di
             "algorithm": saved.get("algorithm", {}).get("name")}
   logging.info("New run from %s (checkpoint step %d, %s): evaluating the starting policy.", src,
                step, origin["algorithm"])
-  warm = _evaluate_both(s, state.params, s.eval_seed(config), full=True)
+  warm = _evaluate_both(s, state.params, eval_seed(s.config), full=True)
   meta = {"update": 0, "data_position": int(src_meta.get("data_position", 0)),
           "warm_start": warm, "sft": src_meta.get("sft", {}), "init_from": origin}
   return state, meta
