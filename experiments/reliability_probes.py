@@ -61,11 +61,12 @@ def _python(script: str, *args: str) -> list[str]:
 
 
 def classify(probe: Probe, returncode: int | None, output: str, folder: pathlib.Path) -> str:
+  lost = probe.check(folder) if probe.check is not None else ""  # always run: it may clean up
   if returncode is None:
     return "hang"
   if "Traceback (most recent call last)" in output:
     return "traceback"
-  if probe.check is not None and probe.check(folder):
+  if lost:
     return "data lost"
   if probe.expect == "ok":
     return "ok" if returncode == 0 and probe.text in output else "silent"
@@ -347,7 +348,29 @@ def _sharded_probes() -> list[Probe]:
       env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})]
 
 
+def _read_only_checkpoints(folder):
+  """A finished 2-update run whose checkpoints folder cannot be written (immutable)."""
+  _copy_of_base(folder)
+  subprocess.run(["chattr", "+i", str(folder / "w" / "checkpoints")], check=True)
+
+
+def _kept_after_failed_save(folder):
+  subprocess.run(["chattr", "-i", str(folder / "w" / "checkpoints")], check=True)
+  steps = sorted(p.name for p in (folder / "w" / "checkpoints").iterdir())
+  if steps != ["0", "1", "2"]:
+    return f"checkpoints left: {steps}"
+  return _metrics_complete(3)(folder)
+
+
+def _failure_probes() -> list[Probe]:
+  return [Probe("failure", "checkpoint save fails (read-only folder)",
+                _train("--config.num_updates=3", "--config.checkpoint_every=1"), "error",
+                "training failed: PermissionError", setup=_read_only_checkpoints,
+                check=_kept_after_failed_save)]
+
+
 GROUPS: dict[str, Callable[[], list[Probe]]] = {
+    "failure": _failure_probes,
     "config": _config_probes,
     "workdir": _workdir_probes,
     "evaluate": _evaluate_probes,

@@ -12,6 +12,7 @@ values. A workdir is used by one run at a time (a lock file names the owner).
 
 import os
 import sys
+import traceback
 
 from absl import app
 from absl import flags
@@ -78,6 +79,13 @@ def crash_hook():
   return hook
 
 
+def _exit_now(code: int):
+  """Flushes the output and ends the process without waiting for non-daemon threads."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -93,7 +101,25 @@ def main(argv):
           task_suites.CorruptSuiteError) as e:
     # A config field or a workdir the user can fix: the message names it; no traceback.
     logging.error("%s", e)
-    sys.exit(2)
+    _exit_now(2)
+  except OSError as e:
+    # The machine refused (a full disk, a read-only or vanished folder): the message names the
+    # path; the checkpoints and metrics written before are intact.
+    logging.error("training failed: %s: %s; fix it and rerun the same command to resume from the "
+                  "last checkpoint.", type(e).__name__, e)
+    _exit_now(1)
+  except BaseException as e:  # pylint: disable=broad-except
+    # Any other failure (a save that cannot write, Ctrl-C, a bug): report it and exit at once.
+    # Orbax's background threads (its barrier client waits 300 s) would otherwise keep the
+    # process alive for minutes after the error is printed. Nothing is lost by not waiting: the
+    # committed checkpoints and the metrics lines are on disk, the lock dies with the process.
+    if isinstance(e, KeyboardInterrupt):
+      logging.error("interrupted; rerun the same command to resume from the last checkpoint.")
+      _exit_now(130)
+    traceback.print_exc()
+    logging.error("training failed (%s: %s); rerun the same command to resume from the last "
+                  "checkpoint once the cause is fixed.", type(e).__name__, e)
+    _exit_now(1)
   print("final:", {k: result[k] for k in ("success_rate", "warm_start_success_rate",
                                           "greedy_success_rate")})
 
