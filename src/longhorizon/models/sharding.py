@@ -5,10 +5,20 @@ Every parameter of `llama.py` is created with logical axis names (`vocab`, `embe
 `act_embed`. A rule set (from the experiment config) maps each logical name to a mesh axis, a tuple of
 mesh axes, or None (replicated). Shardings are derived from `jax.eval_shape` of the initialiser, so no
 parameter is materialised unsharded.
+
+Code traced inside `mesh_context(mesh)` honours the activation constraints: flax reads the mesh set by
+`jax.set_mesh`, and under the legacy `with mesh:` alone its `with_logical_constraint` does nothing
+(activations then follow the parameters: every `data` replica computes the whole batch).
+
+A Python loop over sharded steps must wait for each step (`jax.block_until_ready`) before issuing the
+next: the CPU client admits 32 queued computations per device and blocks the launching thread beyond
+that; with collectives, the blocked launch threads starve the executions they wait for and the run
+aborts in a collective rendezvous (BUILD_NOTES, "sharded SFT deadlock").
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import flax.linen as nn
@@ -17,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["MESH_AXES", "DEFAULT_RULES", "make_mesh", "logical_shardings", "param_shardings",
-           "init_sharded_params", "batch_sharding", "shard_batch"]
+__all__ = ["MESH_AXES", "DEFAULT_RULES", "make_mesh", "mesh_context", "logical_shardings",
+           "param_shardings", "init_sharded_params", "batch_sharding", "shard_batch"]
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -119,8 +129,17 @@ def shard_batch(batch, mesh: Mesh, rules: Sequence = DEFAULT_RULES):
   return jax.tree.map(place, batch)
 
 
+def mesh_context(mesh: Mesh, rules: Sequence = DEFAULT_RULES) -> contextlib.ExitStack:
+  """A context with `mesh` set (`jax.set_mesh`, which flax's `with_logical_constraint` reads) and the
+  logical rules active: jitted functions traced inside it shard activations by the rules."""
+  stack = contextlib.ExitStack()
+  stack.enter_context(jax.set_mesh(mesh))
+  stack.enter_context(nn.logical_axis_rules(_rules(rules)))
+  return stack
+
+
 def with_rules(fn, mesh: Mesh, rules: Sequence = DEFAULT_RULES):
-  """Runs `fn()` with the mesh and logical rules active (for `nn.with_logical_constraint`)."""
-  with mesh, nn.logical_axis_rules(_rules(rules)):
+  """Runs `fn()` inside `mesh_context(mesh, rules)`."""
+  with mesh_context(mesh, rules):
     return fn()
 

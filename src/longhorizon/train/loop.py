@@ -80,12 +80,8 @@ def in_mesh(s: "Setup"):
   import contextlib
   if s.mesh is None:
     return contextlib.nullcontext()
-  import flax.linen as nn
   from longhorizon.models import sharding
-  stack = contextlib.ExitStack()
-  stack.enter_context(s.mesh)
-  stack.enter_context(nn.logical_axis_rules(sharding._rules(sharding.DEFAULT_RULES)))
-  return stack
+  return sharding.mesh_context(s.mesh)
 
 
 def _key(seed: int, *path: int):
