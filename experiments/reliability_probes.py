@@ -362,8 +362,30 @@ def _kept_after_failed_save(folder):
   return _metrics_complete(3)(folder)
 
 
+_HELD_LOCKS = []
+
+
+def _locked_by_a_live_run(folder):
+  """A finished run whose workdir lock is held by a live process (this one)."""
+  sys.path.insert(0, str(ROOT / "src"))
+  from longhorizon.train import workdir as workdir_lib  # the library under probe
+  _copy_of_base(folder)
+  _HELD_LOCKS.append(workdir_lib.WorkdirLock(str(folder / "w")).acquire())
+
+
+def _metrics_untouched(folder):
+  for lock in _HELD_LOCKS:
+    lock.release()
+  _HELD_LOCKS.clear()
+  return _metrics_complete(2)(folder)
+
+
 def _failure_probes() -> list[Probe]:
-  return [Probe("failure", "checkpoint save fails (read-only folder)",
+  return [Probe("failure", "second run on a workdir in use",
+                _train("--config.num_updates=3", "--config.checkpoint_every=1"), "error",
+                f"is in use by another run (pid {os.getpid()} on host", setup=_locked_by_a_live_run,
+                check=_metrics_untouched),
+          Probe("failure", "checkpoint save fails (read-only folder)",
                 _train("--config.num_updates=3", "--config.checkpoint_every=1"), "error",
                 "training failed: PermissionError", setup=_read_only_checkpoints,
                 check=_kept_after_failed_save)]
