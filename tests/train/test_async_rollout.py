@@ -258,7 +258,7 @@ def test_async_with_stale_batches_learns(warm):
   """max_staleness 2 from the warm start: batches two versions old, corrected by the decoupled
   PPO objective (proximal clip, truncated proximal/behaviour weight); sampled test success rises
   clearly within 12 updates. (The truncated-IS objective without a proximal policy learns
-  on-policy but is unstable at lag 2: BUILD_NOTES.md, issue 7.)"""
+  on-policy but is unstable at lag 2: docs/notes/issue-07.md.)"""
   s, warm_state = warm
   assert s.config.algorithm.off_policy == "decoupled" and s.config.algorithm.tis_threshold == 2.0
   state = loop.initial_state(s)

@@ -4,7 +4,7 @@
   parameter bytes fall with fsdp x tensor;
 - on the default config (its full SFT warm start: 80 steps on 64 oracle episodes) the run completes.
   It used to abort in the warm start: 80 sharded steps dispatched without a wait queued more than
-  the CPU client's 32 computations per device and deadlocked a collective (BUILD_NOTES, "sharded SFT
+  the CPU client's 32 computations per device and deadlocked a collective (BUILD_NOTES.md, issue 15, "sharded SFT
   deadlock"). The numbers are not compared with one device there: 80 SFT steps amplify the float
   reassociation of the sharded reductions (loss differences of 1e-5 at step 30, 1e-2 by step 60).
 

@@ -9,7 +9,7 @@ be built (no compiler, no FFI headers) or is switched off (`LONGHORIZON_CPU_KERN
 results agree to float32 rounding (tested).
 
 Why: XLA:CPU reads the whole KV cache every decode step, and no XLA formulation that reads only the
-filled prefix was faster (measurements in BUILD_NOTES.md, issue 3); at batch 64 that read was the gap
+filled prefix was faster (measurements in docs/notes/issue-03.md); at batch 64 that read was the gap
 between the sampler and its matmul roofline.
 """
 

@@ -6,7 +6,7 @@
 // Why a kernel: a decode step's attention reads every layer's keys and values. XLA:CPU reads the whole
 // cache (all `S` slots) every step, and every way of reading only the filled prefix in XLA (static or
 // dynamic slices, chunked caches, per-segment loops) copied the slice or fell off the fast reduction
-// path (measured, BUILD_NOTES.md issue 3). Here each row reads only its own `n[b]` visible slots.
+// path (measured, docs/notes/issue-03.md). Here each row reads only its own `n[b]` visible slots.
 //
 // Inputs (all float32 except n):
 //   q  [B, KV, G, hd]   queries of one new token per row, already scaled by 1/sqrt(hd)

@@ -13,7 +13,7 @@ Code traced inside `mesh_context(mesh)` honours the activation constraints: flax
 A Python loop over sharded steps must wait for each step (`jax.block_until_ready`) before issuing the
 next: the CPU client admits 32 queued computations per device and blocks the launching thread beyond
 that; with collectives, the blocked launch threads starve the executions they wait for and the run
-aborts in a collective rendezvous (BUILD_NOTES, "sharded SFT deadlock").
+aborts in a collective rendezvous (BUILD_NOTES.md, issue 15, "sharded SFT deadlock").
 """
 
 from __future__ import annotations

@@ -279,7 +279,7 @@ def _check_off_policy(config):
   if r.continue_partial:
     _fail("rollout.continue_partial", r.continue_partial,
           "False: continuing partial episodes across a weight update is not implemented (every "
-          "episode is sampled by one policy version; see BUILD_NOTES.md, issue 7)")
+          "episode is sampled by one policy version; see docs/notes/issue-07.md)")
   if a.off_policy == "tis":
     if not a.tis_threshold > 0:
       _fail("algorithm.tis_threshold", a.tis_threshold,

@@ -262,7 +262,7 @@ def warm_start(s: Setup, state: TrainState) -> tuple[TrainState, dict]:
     sft_state, metrics = sft_update(sft_state, batch, config=s.model_config, optimizer=sft_opt,
                                     minibatches=c.sft.minibatches)
     # One step in flight: on a multi-device mesh the CPU client deadlocks once a device has 32
-    # queued computations with collectives (BUILD_NOTES, "sharded SFT deadlock").
+    # queued computations with collectives (BUILD_NOTES.md, issue 15, "sharded SFT deadlock").
     jax.block_until_ready(sft_state)
   metrics = {k: float(v) for k, v in metrics.items()}
   # `sft_update` donated `sft_state` (and the buffers it shared with `state`): continue from it.
