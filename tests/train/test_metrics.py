@@ -55,8 +55,10 @@ def test_resume_truncates_later_updates(tmp_path, caplog):
 
   with caplog.at_level(logging.WARNING):
     writer = MetricsWriter(tmp_path, tensorboard=False, resume_from=4)
-  [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-  assert "line 7 is not a JSON object" in warning and "metrics.jsonl.corrupt" in warning
+  damaged, removed = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  assert "line 7 is not a JSON object" in damaged and "metrics.jsonl.corrupt" in damaged
+  # Updates 4 and 5 were logged after the checkpoint: said so (not "resuming from update 4").
+  assert "removing 2 line(s) of update(s) >= 4, logged after the checkpoint" in removed
   with writer:
     writer.write(4, {"loss": 40.0})
   records = read_metrics(tmp_path)

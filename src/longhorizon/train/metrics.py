@@ -157,8 +157,10 @@ def _repair(path: pathlib.Path, resume_from: int | None) -> set[int]:
     logger.warning("%s: %s with an integer %r (a line cut by a crash, or a corrupted one); moved, "
                    "with line numbers, to %s.", path, which, _STEP_KEY, quarantine)
   if dropped:
-    logger.info("%s: dropping %d lines of updates >= %d (resuming from update %d).", path, dropped,
-                resume_from, resume_from)
+    # Written after the checkpoint the run continues from (a run killed between a metrics line and
+    # its checkpoint): the run computes these updates again, with the same numbers.
+    logger.warning("%s: removing %d line(s) of update(s) >= %d, logged after the checkpoint this run "
+                   "continues from; those updates are computed again.", path, dropped, resume_from)
   if damaged or dropped:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(kept), encoding="utf-8")
