@@ -30,8 +30,8 @@ import numpy as np
 from longhorizon import logs
 from longhorizon import models
 from longhorizon.models import checkpoint
-from longhorizon.models import tokenizer as tokenizer_lib
 from longhorizon import sampling
+from longhorizon.text import render_chat
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Checkpoint path (HF folder or .gguf) or alias "
                                   f"({', '.join(sorted(checkpoint.ALIASES))}).", required=True)
@@ -108,7 +108,7 @@ def prompt_ids(tok, messages: list[dict] | None, prompt: str | None) -> list[int
   """Prompt token ids from the chat (its template, generation prompt added) or the raw text."""
   if messages is None:
     return tok.encode(prompt, add_special_tokens=False)
-  return list(tokenizer_lib.render_chat(tok, messages, add_generation_prompt=True))
+  return list(render_chat(tok, messages, add_generation_prompt=True))
 
 
 def check_context(num_prompt_tokens: int, max_new_tokens: int, context: int):

@@ -54,7 +54,7 @@ from longhorizon import sampling
 from longhorizon.models import checkpoint
 from longhorizon.models import cpu_kernels
 from longhorizon.models import prepare_decode_params
-from longhorizon.models.tokenizer import render_chat
+from longhorizon.text import render_chat
 
 _OUT = flags.DEFINE_string("out", None, "Optional JSON path for the result rows (parents created).")
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "16", "64"], "Decode batch sizes.")

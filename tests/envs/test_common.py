@@ -18,7 +18,7 @@ from longhorizon.envs import tasks as task_suites
 from longhorizon.envs import testing
 from longhorizon.envs.pointer_chain import PointerChain
 from longhorizon.models import checkpoint
-from longhorizon.models.tokenizer import tokenizer_from_gguf
+from longhorizon.text import tokenizer_from_gguf
 
 NAMES = envs.registered()
 STYLES = ("compact", "tool_call")

@@ -16,7 +16,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from longhorizon.models import Transformer, checkpoint, init_params, tiny_config
-from longhorizon.models.tokenizer import word_level_tokenizer
+from longhorizon.text import word_level_tokenizer
 
 SMOLLM2_CONFIG = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                       num_attention_heads=9, num_key_value_heads=3, rope_theta=1e5, rms_norm_eps=1e-5,

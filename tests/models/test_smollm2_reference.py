@@ -18,7 +18,7 @@ import pytest
 
 from longhorizon import sampling
 from longhorizon.models import checkpoint
-from longhorizon.models.tokenizer import render_chat
+from longhorizon.text import render_chat
 
 pytestmark = pytest.mark.slow
 

@@ -45,8 +45,8 @@ from typing import Any
 import numpy as np
 
 from longhorizon.envs.types import ERROR_MESSAGES, Action, ErrorCode
-from longhorizon.models.tokenizer import (chat_text, char_tokenizer, parse_tool_call, unknown_words,
-                                         word_level_tokenizer)
+from longhorizon.text import (chat_text, char_tokenizer, parse_tool_call, unknown_words,
+                              word_level_tokenizer)
 
 __all__ = ["Codec", "STYLES", "default_tokenizer", "ACT", "EOT", "BOS"]
 

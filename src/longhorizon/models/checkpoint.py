@@ -15,6 +15,7 @@ name mapping and the shape checks exist once:
   - GGUF names (`token_embd`, `blk.{i}.attn_q`, ...) are renamed to HF names, and the Q/K row
     permutation that llama.cpp's HF->GGUF converter applies for the `llama` architecture is undone.
 
+GGUF files are opened with `longhorizon.text.gguf_file.open_gguf`, the reader the tokenizer uses too.
 Every error names the file, the tensor, what was expected and what was found. The library never
 imports torch (safetensors is read with the NumPy backend; bfloat16 via ml_dtypes).
 """
@@ -28,10 +29,17 @@ import os
 import pathlib
 from typing import Any, Callable, Iterator, Mapping
 
+from gguf.quants import dequantize
 import jax
 import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+from transformers import PreTrainedTokenizerFast
 
+from longhorizon.models import init_params
 from longhorizon.models.config import ModelConfig
+from longhorizon.text.gguf_file import has_gguf_magic, open_gguf
+from longhorizon.text.tokenizer import tokenizer_from_gguf
 
 __all__ = ["ALIASES", "resolve", "load", "load_hf", "load_gguf", "save", "gguf_config",
            "state_dict_to_params", "params_to_state_dict", "unpermute_qk", "permute_qk"]
@@ -86,7 +94,7 @@ def load(path_or_alias: PathLike):
   path = resolve(path_or_alias)
   if path.is_dir():
     return load_hf(path)
-  if path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
+  if path.suffix.lower() == ".gguf" or has_gguf_magic(path):
     return load_gguf(path)
   raise ValueError(f"{path}: not a checkpoint; expected a HuggingFace model folder (config.json + "
                    f"*.safetensors) or a .gguf file.")
@@ -97,7 +105,6 @@ def load(path_or_alias: PathLike):
 @functools.lru_cache(maxsize=16)
 def _expected_tree(config: ModelConfig):
   """ShapeDtypeStructs of `init_params(config, key)` (no FLOPs, no memory; traced once per config)."""
-  from longhorizon.models import init_params
   return jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
 
 
@@ -236,7 +243,6 @@ class _LazySafetensors(Mapping[str, np.ndarray]):
   """name -> tensor over one or more safetensors files, read on access (NumPy backend, no torch)."""
 
   def __init__(self, files: list[pathlib.Path]):
-    from safetensors import safe_open
     self._handles = {}
     self._file_of: dict[str, pathlib.Path] = {}
     for f in files:
@@ -294,7 +300,6 @@ def _load_hf_tokenizer(folder: pathlib.Path):
     return None
   # `tokenizer.json` exactly as written (AutoTokenizer may pick a model-specific class from
   # config.json that rebuilds the pipeline differently); specials and template from tokenizer_config.
-  from transformers import PreTrainedTokenizerFast
   tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder))
   template_file = folder / "chat_template.jinja"
   if not tokenizer.chat_template and template_file.exists():
@@ -307,7 +312,6 @@ def save(path: PathLike, config: ModelConfig, params, tokenizer=None) -> pathlib
 
   `load(path)` reads it back to identical params; torch `transformers` can load it too.
   """
-  from safetensors.numpy import save_file
   folder = pathlib.Path(path)
   folder.mkdir(parents=True, exist_ok=True)
   hf = config.to_hf()
@@ -321,8 +325,6 @@ def save(path: PathLike, config: ModelConfig, params, tokenizer=None) -> pathlib
 
 
 # ------------------------------------------------------------------------------------------ GGUF
-
-_GGUF_MAGIC = b"GGUF"
 
 # GGUF architecture -> (our model_type, whether llama.cpp's converter permuted the Q/K rows).
 _GGUF_ARCHITECTURES = {
@@ -366,47 +368,6 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
   """The inverse of `permute_qk`: GGUF row order back to HF's."""
   rows = w.shape[0]
   return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _has_gguf_magic(path: pathlib.Path) -> bool:
-  try:
-    with open(path, "rb") as f:
-      return f.read(4) == _GGUF_MAGIC
-  except OSError:
-    return False
-
-
-@functools.cache
-def _reader_class():
-  import gguf
-
-  class Reader(gguf.GGUFReader):
-    """`GGUFReader` whose `data` is a plain-ndarray view of the memmap: parsing the 49k-entry
-    vocabulary and dequantising do ~10^6 small slices, and the memmap subclass's per-slice
-    bookkeeping made loading ~3x slower. Same file mapping, same reader otherwise."""
-
-    @property
-    def data(self):
-      return self._plain_data
-
-    @data.setter
-    def data(self, value):
-      self.path = getattr(value, "filename", None)
-      self._plain_data = value.view(np.ndarray)
-
-  return Reader
-
-
-def _open_gguf(path: pathlib.Path):
-  with open(path, "rb") as f:
-    magic = f.read(4)
-  if magic != _GGUF_MAGIC:
-    raise ValueError(f"{path}: not a GGUF file (starts with {magic!r}, expected {_GGUF_MAGIC!r}).")
-  try:
-    return _reader_class()(str(path))
-  except Exception as e:  # the reader raises ValueError/IndexError/... on truncated or corrupt data
-    raise ValueError(f"{path}: corrupt or truncated GGUF file ({os.path.getsize(path)} bytes): "
-                     f"{type(e).__name__}: {e}") from e
 
 
 _REQUIRED = object()  # `_field` default meaning "raise if absent"
@@ -494,7 +455,6 @@ class _LazyGGUF(Mapping[str, np.ndarray]):
     return f"{self._path}: tensor {self._hf_to_gguf.get(hf_name, hf_name)!r} (HF name {hf_name!r})"
 
   def __getitem__(self, hf_name: str) -> np.ndarray:
-    from gguf.quants import dequantize
     gguf_name = self._hf_to_gguf[hf_name]
     tensor = self._tensors[gguf_name]
     # GGUF lists dimensions fastest-first; NumPy (and HF) order is the reverse: [out, in].
@@ -527,11 +487,10 @@ def load_gguf(path: PathLike):
   Quantised tensors are dequantised to float32, so the params are exactly what llama.cpp computes
   with (up to its on-the-fly rounding), not the original full-precision weights.
   """
-  from longhorizon.models.tokenizer import tokenizer_from_gguf
   path = pathlib.Path(path)
   if not path.exists():
     raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist.")
-  reader = _open_gguf(path)
+  reader = open_gguf(path)
   config = gguf_config(reader, path)
   permuted_qk = _GGUF_ARCHITECTURES[_field(reader, "general.architecture")][1]
   tensors = _LazyGGUF(reader, path, config, permuted_qk)

@@ -6,9 +6,9 @@ import gguf
 import pytest
 
 from longhorizon.models import checkpoint
-from longhorizon.models.tokenizer import (TOOL_CALL_TEMPLATE, char_tokenizer, parse_tool_call,
-                                          render_chat, template_supports_tools, tokenizer_from_gguf,
-                                          unknown_words, word_level_tokenizer)
+from longhorizon.text import (TOOL_CALL_TEMPLATE, char_tokenizer, parse_tool_call, render_chat,
+                              template_supports_tools, tokenizer_from_gguf, unknown_words,
+                              word_level_tokenizer)
 
 STRINGS = [
     "Hello world",

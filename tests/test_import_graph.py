@@ -1,0 +1,222 @@
+"""The import graph of `src/longhorizon`: no cycles, and the layering of shared/DESIGN.md.
+
+The graph is read from the source with `ast` (nothing is imported): every `import` and `from ...
+import` statement, at module level or inside a function, with relative imports resolved against the
+importing module's package. An edge `a -> b` means module `a` names module `b` in an import:
+`from longhorizon.models import checkpoint` is an edge to `longhorizon.models.checkpoint` (a
+submodule), `from longhorizon.models import ModelConfig` an edge to the package `longhorizon.models`.
+Parent packages a dotted import initialises on the way are not edges of their own; a package's
+`__init__` is a module like any other and its own imports are its edges.
+
+Layering (the separation DESIGN.md's "Layout" section fixes):
+  - `core` (math) imports nothing from `models`, `envs`, `rollout`, `train`, `sampling`;
+  - `text` (tokenizers, chat templates, tool calls) imports nothing from `models`, `envs`, `train`,
+    `rollout`, `sampling`;
+  - `envs` imports nothing from `models`.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
+PACKAGE = "longhorizon"
+
+# Layer -> the layers it must not import from.
+FORBIDDEN = {
+    "core": ("models", "envs", "rollout", "train", "sampling"),
+    "text": ("models", "envs", "train", "rollout", "sampling"),
+    "envs": ("models",),
+}
+
+# Edges left out of the cycle check, each with the reason. Issue 16: the async pipeline's actor
+# threads call the sync loop's `collect_batch`, `learn_from_batch` and `in_mesh` (function-level
+# imports of `train.loop`), while the loop starts the pipeline. The cycle goes when the learner
+# object of issue 16 owns collect-and-learn and is handed to the pipeline; remove the entry then
+# (`test_allowed_edges_still_exist` fails once the edge is gone, so the list cannot go stale).
+ALLOWED_CYCLE_EDGES = {
+    ("longhorizon.train.async_rollout", "longhorizon.train.loop"),
+}
+
+
+def module_name(path: pathlib.Path) -> str:
+  """`src/longhorizon/models/checkpoint.py` -> `longhorizon.models.checkpoint` (`__init__` -> package)."""
+  parts = list(path.relative_to(SRC).with_suffix("").parts)
+  if parts[-1] == "__init__":
+    parts.pop()
+  return ".".join(parts)
+
+
+def modules() -> dict[str, pathlib.Path]:
+  """Every module of the package: dotted name -> source file."""
+  return {module_name(p): p for p in sorted((SRC / PACKAGE).rglob("*.py"))}
+
+
+def imported_names(tree: ast.Module, name: str, is_package: bool) -> list[str]:
+  """The dotted names `tree` (module `name`) imports, relative imports resolved, in source order.
+
+  `from a import b` yields `a.b` (which `resolve` maps to the submodule if there is one, else to `a`).
+  """
+  package = name if is_package else name.rpartition(".")[0]
+  names = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      names.extend(alias.name for alias in node.names)
+    elif isinstance(node, ast.ImportFrom):
+      if node.level:
+        base = package.split(".")
+        base = base[:len(base) - (node.level - 1)]
+        prefix = ".".join(base + ([node.module] if node.module else []))
+      else:
+        prefix = node.module
+      names.extend(f"{prefix}.{alias.name}" for alias in node.names)
+  return names
+
+
+def resolve(dotted: str, known: set[str]) -> str | None:
+  """The longest prefix of `dotted` that is a module of the package (None outside it)."""
+  parts = dotted.split(".")
+  for end in range(len(parts), 0, -1):
+    candidate = ".".join(parts[:end])
+    if candidate in known:
+      return candidate
+  return None
+
+
+def import_graph() -> dict[str, set[str]]:
+  """module -> the package modules it imports (self-imports dropped)."""
+  files = modules()
+  known = set(files)
+  graph = {}
+  for name, path in files.items():
+    tree = ast.parse(path.read_text(), filename=str(path))
+    targets = (resolve(d, known) for d in imported_names(tree, name, path.name == "__init__.py"))
+    graph[name] = {t for t in targets if t is not None and t != name}
+  return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """One cycle (`[a, b, ..., a]`) per strongly connected component with more than one module.
+
+  Tarjan's algorithm (iterative), then a shortest path back to the start inside each component.
+  """
+  index, low, on_stack, stack, components = {}, {}, set(), [], []
+  for root in sorted(graph):
+    if root in index:
+      continue
+    work = [(root, iter(sorted(graph[root])))]
+    index[root] = low[root] = len(index)
+    stack.append(root)
+    on_stack.add(root)
+    while work:
+      node, children = work[-1]
+      child = next(children, None)
+      if child is None:
+        work.pop()
+        if work:
+          low[work[-1][0]] = min(low[work[-1][0]], low[node])
+        if low[node] == index[node]:
+          component = []
+          while True:
+            member = stack.pop()
+            on_stack.discard(member)
+            component.append(member)
+            if member == node:
+              break
+          if len(component) > 1:
+            components.append(sorted(component))
+      elif child not in index:
+        index[child] = low[child] = len(index)
+        stack.append(child)
+        on_stack.add(child)
+        work.append((child, iter(sorted(graph.get(child, ())))))
+      elif child in on_stack:
+        low[node] = min(low[node], index[child])
+  return [_cycle_through(component, graph) for component in components]
+
+
+def _cycle_through(component: list[str], graph: dict[str, set[str]]) -> list[str]:
+  """A shortest cycle from the first module of a strongly connected component back to itself."""
+  start, members = component[0], set(component)
+  parents, frontier = {start: None}, [start]
+  while frontier:
+    following = []
+    for node in frontier:
+      for child in sorted(graph[node] & members):
+        if child == start:
+          path = [node]
+          while parents[path[-1]] is not None:
+            path.append(parents[path[-1]])
+          return [start, *reversed(path[:-1]), start] if len(path) > 1 else [start, node, start]
+        if child not in parents:
+          parents[child] = node
+          following.append(child)
+    frontier = following
+  raise AssertionError(f"{component} is not strongly connected")
+
+
+def layer(module: str) -> str | None:
+  """`longhorizon.envs.codec` -> `envs`; a module at the package root belongs to no layer."""
+  parts = module.split(".")
+  return parts[1] if len(parts) > 1 and ".".join(parts[:2]) in _SUBPACKAGES else None
+
+
+_SUBPACKAGES = {module_name(p) for p in (SRC / PACKAGE).glob("*/__init__.py")}
+
+
+# ------------------------------------------------------------------------ the graph builder itself
+
+def test_relative_imports_resolve_against_the_package():
+  tree = ast.parse("from . import a\nfrom .b import c\nfrom .. import d\n"
+                   "def f():\n  import longhorizon.e.f\n")
+  assert sorted(imported_names(tree, "longhorizon.x.y", is_package=False)) == [
+      "longhorizon.d", "longhorizon.e.f", "longhorizon.x.a", "longhorizon.x.b.c"]
+  assert imported_names(ast.parse("from . import a"), "longhorizon.x", is_package=True) == [
+      "longhorizon.x.a"]
+
+
+def test_resolve_prefers_the_submodule():
+  known = {"longhorizon.models", "longhorizon.models.checkpoint"}
+  assert resolve("longhorizon.models.checkpoint", known) == "longhorizon.models.checkpoint"
+  assert resolve("longhorizon.models.ModelConfig", known) == "longhorizon.models"
+  assert resolve("numpy.linalg", known) is None
+
+
+def test_find_cycles_reports_each_cycle():
+  graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"e"}, "e": {"d"}, "f": {"a"}}
+  assert sorted(find_cycles(graph)) == [["a", "b", "c", "a"], ["d", "e", "d"]]
+  assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_graph_covers_the_package():
+  graph = import_graph()
+  assert {"longhorizon.text", "longhorizon.models.checkpoint", "longhorizon.envs.codec"} <= set(graph)
+  assert "longhorizon.text" in graph["longhorizon.envs.codec"]
+  assert {"longhorizon.models", "longhorizon.text.gguf_file",
+          "longhorizon.text.tokenizer"} <= graph["longhorizon.models.checkpoint"]
+
+
+# ----------------------------------------------------------------------------- the package's graph
+
+def test_no_import_cycles():
+  graph = {source: {target for target in targets if (source, target) not in ALLOWED_CYCLE_EDGES}
+           for source, targets in import_graph().items()}
+  cycles = find_cycles(graph)
+  assert not cycles, "import cycle(s): " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+@pytest.mark.parametrize("importer", sorted(FORBIDDEN))
+def test_layering(importer):
+  graph = import_graph()
+  bad = sorted(f"{source} -> {target}" for source, targets in graph.items()
+               if layer(source) == importer for target in targets
+               if layer(target) in FORBIDDEN[importer])
+  assert not bad, (f"`{importer}` must not import from {FORBIDDEN[importer]} (shared/DESIGN.md, "
+                   f"Layout): {bad}")
+
+
+def test_allowed_edges_still_exist():
+  graph = import_graph()
+  gone = sorted(edge for edge in ALLOWED_CYCLE_EDGES if edge[1] not in graph.get(edge[0], ()))
+  assert not gone, f"remove these from ALLOWED_CYCLE_EDGES, the imports are gone: {gone}"
