@@ -31,7 +31,7 @@ so this sweep measures them at GRPO's settings, and the seeds show the spread of
 import importlib.util
 import os
 
-from longhorizon import sweeps
+from longhorizon.studies import sweeps
 
 ALGORITHMS = ("grpo", "drgrpo", "rloo", "reinforce_pp", "gigpo", "ppo")
 SEEDS = (0, 1, 2)

@@ -1,4 +1,5 @@
-r"""The horizon cliff: success versus horizon per credit-assignment algorithm (longhorizon.horizon).
+r"""The horizon cliff: success versus horizon per credit-assignment algorithm
+(longhorizon.studies.horizon).
 
     python experiments/horizon_sweep.py --config=configs/horizon_sweep.py \
         --out=experiments/results/horizon_sweep [--only_env=pointer_chain] [--plots_only]
@@ -24,7 +25,7 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
-from longhorizon import horizon
+from longhorizon.studies import horizon
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/horizon_sweep.py[:variant]",
                                           lock_config=True)

@@ -24,7 +24,7 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from longhorizon import sweeps
+from longhorizon.studies import sweeps
 
 _CONFIG = flags.DEFINE_string("config", None, "Config file with get_sweep, as path[:arg].")
 _WORKDIR_ROOT = flags.DEFINE_string("workdir_root", None, "Each run's workdir is a folder in here.")

@@ -1,4 +1,4 @@
-"""The sweep launcher (longhorizon.sweeps, experiments/sweep.py) and the TPU pod launcher
+"""The sweep launcher (longhorizon.studies.sweeps, experiments/sweep.py) and the TPU pod launcher
 (experiments/launch_tpu_pod.sh). Nothing here trains: runs are fake commands or dry runs."""
 
 import json
@@ -11,7 +11,7 @@ from absl import flags
 from ml_collections import config_flags
 import pytest
 
-from longhorizon import sweeps
+from longhorizon.studies import sweeps
 
 ROOT = pathlib.Path(__file__).parents[2]
 SWEEP_CONFIG = ROOT / "configs" / "algorithm_sweep.py"

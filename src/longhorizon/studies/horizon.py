@@ -25,10 +25,22 @@ import math
 import os
 import time
 from typing import Any, Callable, Iterable, Sequence
+import warnings
 
 import jax
 import jax.numpy as jnp
+from matplotlib.figure import Figure
 import numpy as np
+
+from longhorizon import rollout
+from longhorizon.core.episode import to_device
+from longhorizon.envs import tasks as task_suites
+from longhorizon.models import init_params
+from longhorizon.train import algorithms as algorithm_lib
+from longhorizon.train import config as config_lib
+from longhorizon.train import loop
+from longhorizon.train.metrics import Timer
+from longhorizon.train.update import make_optimizer
 
 __all__ = ["ALGORITHMS", "Cell", "actions_needed", "cell_config", "step_probabilities", "step_accuracy", "run_cell",
            "run_sweep", "read_results", "summarize", "plot_success_vs_horizon",
@@ -91,7 +103,6 @@ def cell_config(base, env_name: str, horizon: int, algorithm: str, seed: int):
   """`base` (a training config, e.g. configs/horizon_sweep.py) set to one run of the sweep."""
   if algorithm not in ALGORITHMS:
     raise ValueError(f"unknown algorithm label {algorithm!r}; expected one of {list(ALGORITHMS)}.")
-  from longhorizon.train import config as config_lib
   config = copy.deepcopy(base)
   config.unlock()
   for path, value in {**_env_settings(env_name, horizon), **ALGORITHMS[algorithm]}.items():
@@ -116,18 +127,15 @@ def step_probabilities(logp, turn, loss_mask, step_mask) -> np.ndarray:
 def step_accuracy(params, model_config, oracle_batch) -> tuple[float, np.ndarray]:
   """`(p, p_by_step)`: the probability the policy (at temperature 1) gives the oracle's action,
   teacher-forced on oracle episodes, averaged over all steps, and by step index."""
-  from longhorizon.core.episode import to_device
-  from longhorizon.train import loop
   logp = loop._logprobs(params, to_device(oracle_batch), config=model_config, temperature=1.0)
   prob = step_probabilities(logp, oracle_batch.turn, oracle_batch.loss_mask,
                             oracle_batch.step_mask)
-  with np.errstate(invalid="ignore"), __import__("warnings").catch_warnings():
-    __import__("warnings").simplefilter("ignore", RuntimeWarning)
+  with np.errstate(invalid="ignore"), warnings.catch_warnings():
+    warnings.simplefilter("ignore", RuntimeWarning)
     return float(np.nanmean(prob)), np.nanmean(prob, axis=0)
 
 
 def _evaluate(s, params, seed: int) -> dict:
-  from longhorizon.train import loop
   c = s.config
   n = c.eval.num_tasks
   sampled = loop.evaluate_policy(s, params, "test", n, temperature=c.rollout.temperature,
@@ -142,12 +150,6 @@ def run_cell(base, cell: Cell, algorithms: Sequence[str], *, log: Callable[[str]
 
   `setups` (a dict kept across calls) reuses the environment, task suites and codec of an
   `(env, horizon)` for every seed, so their jitted functions compile once."""
-  from longhorizon import rollout
-  from longhorizon.envs import tasks as task_suites
-  from longhorizon.train import algorithms as algorithm_lib
-  from longhorizon.train import loop
-  from longhorizon.train.metrics import Timer
-  from longhorizon.train.update import make_optimizer
   started = time.perf_counter()
   first = cell_config(base, cell.env, cell.horizon, algorithms[0], cell.seed)
   setups = {} if setups is None else setups
@@ -156,7 +158,6 @@ def run_cell(base, cell: Cell, algorithms: Sequence[str], *, log: Callable[[str]
   s = setups[(cell.env, cell.horizon)]
   if first.model.checkpoint:
     raise ValueError("horizon sweeps train fresh tiny policies; set model.checkpoint=''.")
-  from longhorizon.models import init_params
   s = dataclasses.replace(s, config=first,
                           init_params=init_params(s.model_config, loop._key(cell.seed, 1)))
   c = s.config
@@ -169,7 +170,6 @@ def run_cell(base, cell: Cell, algorithms: Sequence[str], *, log: Callable[[str]
   n = c.eval.num_tasks
   tasks = task_suites.stack(s.eval_tasks["test"], range(min(n, len(s.eval_tasks["test"]))))
   keys = jax.random.split(jax.random.key(c.seed + 101), len(jax.tree.leaves(tasks)[0]))
-  from longhorizon.train import config as config_lib
   oracle, _ = rollout.collect(None, None, s.env, s.codec, tasks, keys,
                               config_lib.rollout_config(c, group_size=1), sampling_seed=0,
                               scripted=rollout.oracle_turns(s.env, s.codec, 0.0))
@@ -319,7 +319,6 @@ def markdown_table(summary: Sequence[dict]) -> str:
 
 def _subplots(rows: int, cols: int, figsize):
   """A pyplot-free figure (no global backend switch, so notebooks keep their inline plots)."""
-  from matplotlib.figure import Figure
   fig = Figure(figsize=figsize)
   return fig, fig.subplots(rows, cols, squeeze=False)
 

@@ -10,9 +10,9 @@ import jax
 import numpy as np
 import pytest
 
-from longhorizon import horizon
+from longhorizon.studies import horizon
 
-ROOT = pathlib.Path(__file__).parents[1]
+ROOT = pathlib.Path(__file__).parents[2]
 
 
 def _config(variant):

@@ -145,7 +145,7 @@ def load_sweep(spec: str) -> tuple[Any, list[Overrides]]:
   module_spec.loader.exec_module(module)
   if not hasattr(module, "get_sweep"):
     raise ValueError(f"{path} defines no get_sweep(arg=None); add one returning a list of override "
-                     "dicts, e.g. longhorizon.sweeps.product({'config.seed': [0, 1, 2]}).")
+                     "dicts, e.g. longhorizon.studies.sweeps.product({'config.seed': [0, 1, 2]}).")
   config = module.get_config(arg)
   sweep = module.get_sweep(arg)
   if not isinstance(sweep, list) or not all(isinstance(run, dict) for run in sweep):
