@@ -13,6 +13,11 @@ Layering (the separation DESIGN.md's "Layout" section fixes):
   - `text` (tokenizers, chat templates, tool calls) imports nothing from `models`, `envs`, `train`,
     `rollout`, `sampling`;
   - `envs` imports nothing from `models`.
+
+Function-local imports (shared/STYLE.md rule 14) only for an optional dependency (not in
+`install_requires`) or to break a cycle listed in `ALLOWED_CYCLE_EDGES`: each names a dependency of
+`OPTIONAL_DEPENDENCIES` or carries a `# optional: <dependency>` / `# cycle: <why>` comment on its line
+or in the comment block just above it.
 """
 
 import ast
@@ -38,6 +43,17 @@ FORBIDDEN = {
 ALLOWED_CYCLE_EDGES = {
     ("longhorizon.train.async_rollout", "longhorizon.train.loop"),
 }
+
+
+# Optional dependencies (setup.cfg extras, or none): a function-local import of one of them is allowed
+# as is, its name says which. Everything in `install_requires` is imported at module level.
+OPTIONAL_DEPENDENCIES = {"torch", "accelerate", "nbclient", "nbformat", "ipykernel", "ray", "textworld"}
+
+# The comments that mark an allowed function-local import (rule 14: the comment names the reason).
+LOCAL_IMPORT_MARKERS = ("# optional:", "# cycle:")
+
+# Modules whose function-local imports are not checked yet, each with the reason.
+LOCAL_IMPORTS_NOT_CHECKED: set[str] = set()
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -156,6 +172,63 @@ def _cycle_through(component: list[str], graph: dict[str, set[str]]) -> list[str
   raise AssertionError(f"{component} is not strongly connected")
 
 
+def function_local_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+  """The `import` / `from ... import` statements inside a function or method body (any depth)."""
+  found = []
+
+  def visit(node: ast.AST, in_function: bool) -> None:
+    for child in ast.iter_child_nodes(node):
+      if in_function and isinstance(child, (ast.Import, ast.ImportFrom)):
+        found.append(child)
+      visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                        ast.Lambda)))
+
+  visit(tree, False)
+  return found
+
+
+def _marker(lines: list[str], lineno: int) -> str | None:
+  """The marker (`# optional:` / `# cycle:`) on line `lineno` (1-based) or in the comment block
+  just above it, else None."""
+  for marker in LOCAL_IMPORT_MARKERS:
+    if marker in lines[lineno - 1]:
+      return marker
+  above = lineno - 2
+  while above >= 0 and lines[above].lstrip().startswith("#"):
+    for marker in LOCAL_IMPORT_MARKERS:
+      if lines[above].lstrip().startswith(marker):
+        return marker
+    above -= 1
+  return None
+
+
+def unmarked_local_imports(source: str, name: str, is_package: bool) -> list[str]:
+  """`line: statement` for each function-local import of `source` (module `name`) that neither
+  names an optional dependency nor carries a marker comment."""
+  lines = source.splitlines()
+  bad = []
+  for node in function_local_imports(ast.parse(source)):
+    roots = ({alias.name.split(".")[0] for alias in node.names} if isinstance(node, ast.Import)
+             else {node.module.split(".")[0]} if node.module and not node.level else set())
+    if roots and roots <= OPTIONAL_DEPENDENCIES:
+      continue
+    if _marker(lines, node.lineno) is None:
+      bad.append(f"{node.lineno}: {lines[node.lineno - 1].strip()}")
+  return bad
+
+
+def cycle_marked_edges(source: str, name: str, is_package: bool, known: set[str]) -> set[tuple]:
+  """`(name, target)` for each package module a `# cycle:`-marked function-local import names."""
+  lines = source.splitlines()
+  edges = set()
+  for node in function_local_imports(ast.parse(source)):
+    if _marker(lines, node.lineno) == "# cycle:":
+      for dotted in imported_names(ast.Module(body=[node], type_ignores=[]), name, is_package):
+        target = resolve(dotted, known)
+        edges.add((name, target))
+  return edges
+
+
 def layer(module: str) -> str | None:
   """`longhorizon.envs.codec` -> `envs`; a module at the package root belongs to no layer."""
   parts = module.split(".")
@@ -220,3 +293,53 @@ def test_allowed_edges_still_exist():
   graph = import_graph()
   gone = sorted(edge for edge in ALLOWED_CYCLE_EDGES if edge[1] not in graph.get(edge[0], ()))
   assert not gone, f"remove these from ALLOWED_CYCLE_EDGES, the imports are gone: {gone}"
+
+
+# ------------------------------------------------------------------------ function-local imports
+
+def test_function_local_imports_are_found_and_judged():
+  source = ("import os\n"
+            "def f():\n"
+            "  import json\n"
+            "  import torch\n"
+            "  # cycle: b imports this module\n"
+            "  from longhorizon import b\n"
+            "  from nbclient import NotebookClient  # the notebook runner\n"
+            "  def g():\n"
+            "    import jax  # optional: not really, but marked\n"
+            "  return lambda: __import__('re')\n"
+            "class C:\n"
+            "  def m(self):\n"
+            "    # an unrelated comment\n"
+            "    from . import c\n")
+  found = function_local_imports(ast.parse(source))
+  assert [node.lineno for node in found] == [3, 4, 6, 7, 9, 14]
+  assert unmarked_local_imports(source, "longhorizon.a", is_package=False) == [
+      "3: import json", "14: from . import c"]
+  known = {"longhorizon.a", "longhorizon.b", "longhorizon.c"}
+  assert cycle_marked_edges(source, "longhorizon.a", False, known) == {("longhorizon.a",
+                                                                        "longhorizon.b")}
+
+
+def _package_sources():
+  for name, path in modules().items():
+    yield name, path.read_text(), path.name == "__init__.py"
+
+
+def test_function_local_imports_only_for_optional_dependencies_or_cycles():
+  """shared/STYLE.md rule 14: every other import is at module level."""
+  bad = [f"{name}:{entry}" for name, source, is_package in _package_sources()
+         if name not in LOCAL_IMPORTS_NOT_CHECKED
+         for entry in unmarked_local_imports(source, name, is_package)]
+  assert not bad, ("function-local imports of required dependencies or package modules; move them "
+                   "to module level, or mark an optional dependency (`# optional: torch`) or a "
+                   f"cycle listed in ALLOWED_CYCLE_EDGES (`# cycle: ...`): {bad}")
+
+
+def test_cycle_marked_imports_are_allowed_cycle_edges():
+  known = set(modules())
+  edges = set().union(*(cycle_marked_edges(source, name, is_package, known)
+                        for name, source, is_package in _package_sources()))
+  assert edges <= ALLOWED_CYCLE_EDGES, (
+      f"`# cycle:` imports whose edge is not in ALLOWED_CYCLE_EDGES: {sorted(edges - ALLOWED_CYCLE_EDGES)}")
+

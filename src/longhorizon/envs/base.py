@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from longhorizon.envs.codec import Codec
 from longhorizon.envs.types import Action, EnvState, ErrorCode, TimeStep, Tool, hash_tree, select
 
 __all__ = ["Environment", "Transition", "RewardSpec", "SPLITS"]
@@ -139,7 +140,6 @@ class Environment(abc.ABC):
 
   def codec(self, tokenizer=None, style: str = "compact"):
     """The text codec for `tokenizer` (None: this environment's default) and `style`."""
-    from longhorizon.envs.codec import Codec
     return Codec(self, tokenizer, style)
 
   def milestones_at_reset(self, task: Any, inner: Any) -> jax.Array:

@@ -42,6 +42,7 @@ import json
 import re
 from typing import Any
 
+import jax
 import numpy as np
 
 from longhorizon.envs.types import ERROR_MESSAGES, Action, ErrorCode
@@ -337,5 +338,4 @@ def _snip(text: str, limit: int = 40) -> str:
 
 
 def _to_numpy(tree):
-  import jax
   return jax.tree.map(np.asarray, tree)

@@ -27,10 +27,13 @@ import os
 import re
 from typing import Any, Iterable, Mapping
 
+from array_record.python.array_record_module import ArrayRecordReader
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tensorflow_datasets as tfds
 
+from longhorizon import envs
 from longhorizon.envs.base import SPLITS
 from longhorizon.envs.types import hash_tree
 
@@ -113,8 +116,6 @@ def _generate_split(env, split: str, seed: int, count: int, exclude: set[int]) -
 
 @functools.lru_cache(maxsize=None)
 def _builder_class():
-  import tensorflow_datasets as tfds
-
   class LonghorizonTasks(tfds.core.GeneratorBasedBuilder):
     """Procedurally generated tasks of one longhorizon environment."""
     VERSION = tfds.core.Version(_VERSION)
@@ -185,8 +186,6 @@ def _check_info(folder: str) -> None:
 def _check_records(builder, split: str) -> None:
   """Reads every record of `split` once (array_record checks each chunk's checksum) and compares
   the record counts with `dataset_info.json`; raises `CorruptSuiteError` naming the file."""
-  # array_record ships with TFDS (the data-source reader), imported here like TFDS itself.
-  from array_record.python.array_record_module import ArrayRecordReader
   folder = os.fspath(builder.data_dir)
   info = builder.info.splits[split]
   for path, expected in zip(info.filepaths, info.shard_lengths):
@@ -213,7 +212,6 @@ def build(env_name: str, env_params: Mapping[str, Any] | None = None, seed: int 
   `env_name` is a registered name or an import path `"package.module:Class"` (see `envs.make`).
   Raises `CorruptSuiteError` if the suite's `dataset_info.json` does not parse.
   """
-  from longhorizon import envs
   env_params = dict(env_params or {})
   sizes = {**DEFAULT_SIZES, **(sizes or {})}
   bad = sorted(set(sizes) - set(SPLITS))

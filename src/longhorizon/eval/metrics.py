@@ -30,6 +30,9 @@ import pathlib
 import statistics
 from typing import Any, Mapping, Sequence
 
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure  # pyplot-free: no global backend switch (notebooks)
+from matplotlib.ticker import MaxNLocator
 import numpy as np
 
 __all__ = [
@@ -446,10 +449,6 @@ def plot_report(report_or_reports, path: PathLike) -> pathlib.Path:
   Returns:
     `path` as a `pathlib.Path`.
   """
-  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=import-outside-toplevel
-  from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
-  from matplotlib.ticker import MaxNLocator  # pylint: disable=import-outside-toplevel
-
   reports = _labelled_reports(report_or_reports)
   num_panels = 3 if len(reports) > 1 else 2
   fig = Figure(figsize=(5 * num_panels, 4), layout="constrained")

@@ -8,6 +8,7 @@ seeds: task `i`'s environment key and attempt `j`'s sampling key derive from `se
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -66,7 +67,6 @@ def evaluate(env, codec, tasks: Any, *, attempts: int, rollout_config: rollout.R
   In a multi-host JAX run, call it on every process: the `T` tasks (a multiple of the number of
   processes) are split over them, and every process returns the report of all of them.
   """
-  import dataclasses
   if policy not in ("model",) + BASELINES:
     raise ValueError(f"policy must be 'model', 'oracle' or 'random', got {policy!r}.")
   if policy == "model" and (params is None or model_config is None):

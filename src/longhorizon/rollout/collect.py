@@ -38,6 +38,7 @@ import numpy as np
 from longhorizon import sampling as sampler
 from longhorizon.core.episode import EpisodeBatch, Termination, empty
 from longhorizon.envs import Action, Environment
+from longhorizon.envs.testing import random_action
 from longhorizon.envs.types import ErrorCode, to_numpy
 from longhorizon.models import ModelConfig, prepare_decode_params
 from longhorizon.rollout.rewards import RewardConfig, compose_rewards
@@ -365,7 +366,6 @@ def oracle_turns(env: Environment, codec, epsilon: float = 0.0, seed: int = 0):
   uniformly random well-formed action instead (drawn from `fold_in(key(seed), call, row)`), as an
   imperfect human or model demonstrator would; SFT on such data gives a competent but unreliable
   policy."""
-  from longhorizon.envs.testing import random_action
   if not 0.0 <= epsilon <= 1.0:
     raise ValueError(f"epsilon must be in [0, 1], got {epsilon}.")
 

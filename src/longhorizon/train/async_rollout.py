@@ -221,7 +221,8 @@ class AsyncRollouts:
     return expected_update - self._version <= self.max_staleness
 
   def _actor(self, actor: int):
-    from longhorizon.train import loop  # loop imports this module lazily
+    # cycle: train.loop imports this module (issue 16: the learner removes it)
+    from longhorizon.train import loop
     try:
       with loop.in_mesh(self._s):
         while True:
@@ -324,6 +325,7 @@ class AsyncRollouts:
     """One asynchronous RL update: the next usable batch, `loop.learn_from_batch`, publish.
 
     Returns `(state, metrics)` like `loop.rl_step` (plus the `async/*` metrics)."""
+    # cycle: train.loop imports this module (issue 16: the learner removes it)
     from longhorizon.train import loop
     try:
       item, scale, async_metrics = self.take(update)

@@ -31,6 +31,7 @@ missing task files while the others wait.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -39,20 +40,28 @@ import time
 from typing import Any
 
 from absl import logging
+import flax.linen as nn
 import jax
+from jax.experimental import multihost_utils
 import jax.numpy as jnp
+from matplotlib.figure import Figure  # pyplot-free: no global backend switch (notebooks)
 import numpy as np
 
 from longhorizon import envs
 from longhorizon import rollout
 from longhorizon.core.episode import Termination, to_device
 from longhorizon.envs import tasks as task_suites
-from longhorizon.models import ModelConfig, init_params, tiny_config
+from longhorizon.eval import metrics as metrics_lib
+from longhorizon.eval import runner
+from longhorizon.models import Critic, ModelConfig, Transformer, init_params, sharding, tiny_config
+from longhorizon.models import checkpoint as checkpoint_lib
 from longhorizon.train import algorithms
 from longhorizon.train import config as config_lib
 from longhorizon.train import workdir as workdir_lib
+from longhorizon.train.async_rollout import AsyncRollouts
 from longhorizon.train.checkpoints import Checkpointer
-from longhorizon.train.metrics import MetricsWriter, Progress, Timer
+from longhorizon.train.curriculum import Curriculum, bucket_indices, draw_tasks
+from longhorizon.train.metrics import MetricsWriter, Progress, Timer, read_metrics
 from longhorizon.train.update import (TrainState, critic_values, episode_logprobs, make_optimizer,
                                       rl_update, sft_update)
 
@@ -77,10 +86,8 @@ class Setup:
 def in_mesh(s: "Setup"):
   """A context with the run's mesh and logical-axis rules active (a no-op on one device), so
   jitted functions traced inside it honour the models' logical sharding constraints."""
-  import contextlib
   if s.mesh is None:
     return contextlib.nullcontext()
-  from longhorizon.models import sharding
   return sharding.mesh_context(s.mesh)
 
 
@@ -120,7 +127,6 @@ def setup(config) -> Setup:
   config_lib.validate(config)
   env = make_env(config)
   if config.model.checkpoint:
-    from longhorizon.models import checkpoint as checkpoint_lib
     model_config, params, tokenizer = checkpoint_lib.load(config.model.checkpoint)
     codec = env.codec(tokenizer, config.env.style)
   else:
@@ -143,7 +149,6 @@ def setup(config) -> Setup:
     if jax.process_index() == 0:
       task_suites.build(config.env.name, dict(config.env.params), config.tasks.seed, sizes,
                         data_dir)
-    from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices("longhorizon.setup.task_suites")
   train_tasks = load("train")
   eval_tasks = {split: load(split) for split in ("test", "ood")}
@@ -162,7 +167,6 @@ def setup(config) -> Setup:
     # Parameters (and so optimiser state) are placed by the logical-axis rules: fsdp shards the
     # model width, tensor the heads / MLP / vocabulary; jit propagates the shardings through the
     # rollout and the update.
-    from longhorizon.models import Transformer, sharding
     # Each process's own devices: in a multi-host run the parameters are replicated across hosts.
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor,
                               devices=jax.local_devices())
@@ -175,10 +179,8 @@ def setup(config) -> Setup:
 def initial_state(s: Setup) -> TrainState:
   critic_params = critic_opt = None
   if s.critic_optimizer is not None:
-    from longhorizon.models import Critic
     critic_params = Critic(s.model_config).init(
         _key(s.config.seed, 2), jnp.zeros((1, 1), jnp.int32))["params"]
-    import flax.linen as nn
     critic_params = nn.meta.unbox(critic_params)
     critic_opt = s.critic_optimizer.init(critic_params)
   return TrainState(params=s.init_params, opt_state=s.optimizer.init(s.init_params),
@@ -226,7 +228,6 @@ def _evaluate_both(s: Setup, params, seed: int, full: bool = False) -> dict:
                               temperature=c.rollout.temperature, seed=seed)
     return {"success_rate": sampled["success_rate"], "greedy_success_rate": greedy["success_rate"],
             "mean_steps": sampled["mean_steps"], "truncation_rate": sampled["truncation_rate"]}
-  from longhorizon.eval import runner
   source = s.eval_tasks[c.eval.split] if c.eval.split in s.eval_tasks else s.train_tasks
   tasks = task_suites.stack(source, range(min(c.eval.num_tasks, len(source))))
   report, _ = runner.evaluate(s.env, s.codec, tasks, attempts=c.eval.k,
@@ -338,7 +339,6 @@ def learn_from_batch(s: Setup, state: TrainState, batch, stats, timer: Timer, ro
   with timer("update"):
     db = to_device(batch)
     if s.mesh is not None:  # data-parallel inputs: rows split over (data, fsdp)
-      from longhorizon.models import sharding
       db = sharding.shard_batch(db, s.mesh)
     options = config_lib.loss_options(c)
     if options.off_policy == "tis":
@@ -396,7 +396,6 @@ def make_curriculum(s: Setup, state_dict=None):
   c = s.config.curriculum
   if not c.num_buckets:
     return None, None
-  from longhorizon.train.curriculum import Curriculum, bucket_indices
   n = len(s.train_tasks)
   difficulty = jax.jit(jax.vmap(s.env.task_difficulty))
   levels = np.concatenate([np.asarray(difficulty(task_suites.stack(s.train_tasks, range(i, min(i + 1024, n)))))
@@ -580,7 +579,6 @@ def _train_and_evaluate(s: Setup, config, workdir: str, *, hook=None, init_from=
   if config.rollout.mode == "async" and start < config.num_updates:
     # Actor threads sample with published copies of the parameters (train/async_rollout.py); a
     # resumed run restarts them from the checkpointed parameters at the checkpointed batch.
-    from longhorizon.train.async_rollout import AsyncRollouts
     pipeline = AsyncRollouts(s, state.params, version=start,
                              first_batch=int(meta.get("next_batch", start)),
                              data_position=data_position, last_update=config.num_updates).start()
@@ -590,7 +588,6 @@ def _train_and_evaluate(s: Setup, config, workdir: str, *, hook=None, init_from=
     hook("rollout", update)
     task_indices = task_buckets = None
     if curriculum is not None:
-      from longhorizon.train.curriculum import draw_tasks
       task_indices, task_buckets, curriculum.cursor = draw_tasks(
           curriculum, buckets, np.random.default_rng([config.seed, update]),
           config.rollout.num_tasks, curriculum.cursor)
@@ -650,7 +647,6 @@ def _train_and_evaluate(s: Setup, config, workdir: str, *, hook=None, init_from=
     with open(os.path.join(workdir, "eval.json"), "w") as f:
       json.dump(result, f, indent=2, sort_keys=True)
     plot_learning_curve(workdir, result)
-    from longhorizon.eval import metrics as metrics_lib
     metrics_lib.plot_report([("warm start", warm), ("final", final)],
                             os.path.join(workdir, "eval.png"))
   checkpointer.close()
@@ -659,8 +655,6 @@ def _train_and_evaluate(s: Setup, config, workdir: str, *, hook=None, init_from=
 
 def plot_learning_curve(workdir: str, result: dict) -> str:
   """`learning_curve.png`: training success per update, warm-start and final evaluations."""
-  from matplotlib.figure import Figure  # pyplot-free: no global backend switch (notebooks)
-  from longhorizon.train.metrics import read_metrics
   rows = read_metrics(os.path.join(workdir, "metrics.jsonl"))
   fig = Figure(figsize=(6, 4))
   ax = fig.subplots()

@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
+import tensorboardX
 import tqdm
 
 __all__ = ["METRICS_FILE", "QUARANTINE_SUFFIX", "MetricsWriter", "read_metrics", "Progress", "Timer"]
@@ -217,11 +218,6 @@ class MetricsWriter:
       _warn_missing(self.path, logged, operator.index(first_update), resume_from)
     self._file = open(self.path, "a", encoding="utf-8")
     if tensorboard:
-      try:
-        import tensorboardX
-      except ImportError:
-        raise ImportError("MetricsWriter(tensorboard=True) needs tensorboardX: `pip install "
-                          "tensorboardx`, or pass tensorboard=False.") from None
       self._tb = tensorboardX.SummaryWriter(str(self.workdir / _TB_DIR), purge_step=resume_from)
 
   def write(self, step: int, metrics: Mapping[str, Any]):

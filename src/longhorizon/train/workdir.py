@@ -31,6 +31,7 @@ from typing import Any, Mapping
 
 from absl import logging
 import jax
+from jax.experimental import multihost_utils
 import numpy as np
 
 __all__ = ["resolve", "WorkdirError", "WorkdirLock", "WorkdirLockedError", "ConfigMismatchError", "MUTABLE",
@@ -83,7 +84,6 @@ class WorkdirLock:
       except WorkdirLockedError as e:
         error = str(e)
     if jax.process_count() > 1:
-      from jax.experimental import multihost_utils  # multi-host only
       locked = multihost_utils.broadcast_one_to_all(np.int32(bool(error)))
       if int(locked) and not primary:
         error = f"process 0 could not lock {self.path}: another run is using this workdir."
