@@ -52,10 +52,6 @@ OPTIONAL_DEPENDENCIES = {"torch", "accelerate", "nbclient", "nbformat", "ipykern
 # The comments that mark an allowed function-local import (rule 14: the comment names the reason).
 LOCAL_IMPORT_MARKERS = ("# optional:", "# cycle:")
 
-# Modules whose function-local imports are not checked yet, each with the reason.
-LOCAL_IMPORTS_NOT_CHECKED: set[str] = set()
-
-
 def module_name(path: pathlib.Path) -> str:
   """`src/longhorizon/models/checkpoint.py` -> `longhorizon.models.checkpoint` (`__init__` -> package)."""
   parts = list(path.relative_to(SRC).with_suffix("").parts)
@@ -329,7 +325,6 @@ def _package_sources():
 def test_function_local_imports_only_for_optional_dependencies_or_cycles():
   """shared/STYLE.md rule 14: every other import is at module level."""
   bad = [f"{name}:{entry}" for name, source, is_package in _package_sources()
-         if name not in LOCAL_IMPORTS_NOT_CHECKED
          for entry in unmarked_local_imports(source, name, is_package)]
   assert not bad, ("function-local imports of required dependencies or package modules; move them "
                    "to module level, or mark an optional dependency (`# optional: torch`) or a "
