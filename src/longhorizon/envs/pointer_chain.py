@@ -168,7 +168,7 @@ class PointerChain(Environment):
     kind, key, value, error = (int(observation[k]) for k in ("kind", "key", "value", "error"))
     if kind in (1, 2) and error == ErrorCode.INVALID_ARGUMENT:
       if style == "compact":
-        return "error : invalid argument : no such key"
+        return "error : invalid argument"  # codec words only: the vocabulary (token ids) is unchanged
       return f"Error: invalid argument: there is no key {key} (keys are 0 to {self.num_keys - 1})."
     if kind == 0:
       return self.task_text({"start": key, "horizon": value}, style)
@@ -180,8 +180,9 @@ class PointerChain(Environment):
 
   def vocabulary(self):
     words = set(self.system_text("compact").split())
-    words |= {"start", "hops", "->", "answer", "error", ":", "invalid", "argument", "no", "such",
-              "key"}
+    # The error observation's other words (":", "invalid", "argument") come with the codec; adding
+    # them here would reorder the sorted word ids and change every trained model's inputs.
+    words |= {"start", "hops", "->", "answer", "error"}
     words |= {str(i) for i in range(max(self.num_keys, self.ood_horizon + 1, self.horizon + 1))}
     return sorted(words)
 
