@@ -546,26 +546,7 @@ def _train_and_evaluate(s: Setup, config, workdir: str, *, hook=None, init_from=
   primary = jax.process_index() == 0
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
                               max_to_keep=config.keep_checkpoints)
-  state = initial_state(s)
-  latest = checkpointer.latest_step()
-  # Compared before anything is written: an incompatible config is refused with the diff.
-  changes = workdir_lib.check_config(workdir, config, resuming=latest is not None)
-  if latest is None:
-    workdir_lib.save_config(workdir, config, 0)
-    if init_from is None:
-      state, meta = new_run(s, state, config)
-    else:
-      state, meta = start_from(s, state, init_from)
-      if primary:
-        with open(os.path.join(workdir, "init_from.json"), "w") as f:
-          json.dump(meta["init_from"], f, indent=2, sort_keys=True)
-    checkpointer.save(0, state, meta, force=True)
-    checkpointer.wait()
-  else:
-    state, meta = checkpointer.restore(template=with_reference(s, state))
-    _check_init_from(workdir, init_from, meta)
-    logging.warning("%s", _resume_message(checkpointer, latest, meta, config))
-    workdir_lib.save_config(workdir, config, int(meta["update"]), changes)
+  state, meta = _start_or_resume(s, config, workdir, checkpointer, init_from)
   start, data_position = int(meta["update"]), int(meta["data_position"])
   # metrics.jsonl numbers updates from 1: drop lines after the checkpoint (updates > start).
   writer = MetricsWriter(workdir, tensorboard=config.tensorboard, is_primary=primary,
@@ -608,14 +589,7 @@ def _train_and_evaluate(s: Setup, config, workdir: str, *, hook=None, init_from=
     metrics["update_s"] = time.perf_counter() - started
     metrics["params/bytes_per_device"] = param_bytes
     metrics.update(collapse_alarms(config, metrics))
-    if metrics["alarm/collapse"]:
-      logging.warning("update %d: policy-collapse alarm (entropy %.4f, zero-advantage group rate "
-                      "%.2f at success %.2f)", update + 1, metrics["entropy"],
-                      metrics["zero_advantage_group_rate"], metrics["success_rate"])
-    if metrics.get("skipped_updates", 0) > skipped_before:
-      logging.warning("update %d: %d optimiser step(s) skipped for a non-finite loss or gradient",
-                      update + 1, int(metrics["skipped_updates"] - skipped_before))
-    skipped_before = metrics.get("skipped_updates", skipped_before)
+    skipped_before = _warn_about(update, metrics, skipped_before)
     if config.eval.every and (update + 1) % config.eval.every == 0:
       for k, v in _evaluate_both(s, state.params, eval_seed(config)).items():
         metrics[f"eval/{k}"] = v
@@ -633,7 +607,55 @@ def _train_and_evaluate(s: Setup, config, workdir: str, *, hook=None, init_from=
   checkpointer.wait()
   writer.close()
 
-  final = _evaluate_both(s, state.params, eval_seed(config), full=True)
+  result = _final_evaluation(s, config, workdir, state.params, meta)
+  checkpointer.close()
+  return result
+
+
+def _warn_about(update: int, metrics: dict, skipped_before: int) -> int:
+  """Logs a policy-collapse alarm and newly skipped optimiser steps; returns the skipped count."""
+  if metrics["alarm/collapse"]:
+    logging.warning("update %d: policy-collapse alarm (entropy %.4f, zero-advantage group rate "
+                    "%.2f at success %.2f)", update + 1, metrics["entropy"],
+                    metrics["zero_advantage_group_rate"], metrics["success_rate"])
+  if metrics.get("skipped_updates", 0) > skipped_before:
+    logging.warning("update %d: %d optimiser step(s) skipped for a non-finite loss or gradient",
+                    update + 1, int(metrics["skipped_updates"] - skipped_before))
+  return metrics.get("skipped_updates", skipped_before)
+
+
+def _start_or_resume(s: Setup, config, workdir: str, checkpointer: Checkpointer, init_from
+                     ) -> tuple[TrainState, dict]:
+  """`(state, meta)` to continue from: the workdir's checkpoint, else a new run (a warm start, or
+  another run's checkpoint with `init_from`) saved as step 0. The config is checked against the
+  saved one before anything is written, and recorded."""
+  state = initial_state(s)
+  latest = checkpointer.latest_step()
+  # Compared before anything is written: an incompatible config is refused with the diff.
+  changes = workdir_lib.check_config(workdir, config, resuming=latest is not None)
+  if latest is not None:
+    state, meta = checkpointer.restore(template=with_reference(s, state))
+    _check_init_from(workdir, init_from, meta)
+    logging.warning("%s", _resume_message(checkpointer, latest, meta, config))
+    workdir_lib.save_config(workdir, config, int(meta["update"]), changes)
+    return state, meta
+  workdir_lib.save_config(workdir, config, 0)
+  if init_from is None:
+    state, meta = new_run(s, state, config)
+  else:
+    state, meta = start_from(s, state, init_from)
+    if jax.process_index() == 0:
+      with open(os.path.join(workdir, "init_from.json"), "w") as f:
+        json.dump(meta["init_from"], f, indent=2, sort_keys=True)
+  checkpointer.save(0, state, meta, force=True)
+  checkpointer.wait()
+  return state, meta
+
+
+def _final_evaluation(s: Setup, config, workdir: str, params, meta: dict) -> dict:
+  """The final evaluation beside the warm start's; writes `eval.json`, `learning_curve.png` and
+  `eval.png` (process 0) and returns the `eval.json` dict."""
+  final = _evaluate_both(s, params, eval_seed(config), full=True)
   warm = meta["warm_start"]
   result = dict(final)
   result.update({"warm_start_success_rate": warm["success_rate"],
@@ -643,13 +665,12 @@ def _train_and_evaluate(s: Setup, config, workdir: str, *, hook=None, init_from=
                  "attempts_per_task": config.eval.k, "temperature": config.rollout.temperature,
                  "num_updates": config.num_updates, "env": config.env.name,
                  "algorithm": config.algorithm.name, "init_from": meta.get("init_from")})
-  if primary:
+  if jax.process_index() == 0:
     with open(os.path.join(workdir, "eval.json"), "w") as f:
       json.dump(result, f, indent=2, sort_keys=True)
     plot_learning_curve(workdir, result)
     metrics_lib.plot_report([("warm start", warm), ("final", final)],
                             os.path.join(workdir, "eval.png"))
-  checkpointer.close()
   return result
 
 
