@@ -64,12 +64,11 @@ class EpisodeBatch:
   num_steps: Any  # [B] int32 number of steps taken (== step_mask.sum(-1))
   score: Any  # [B] float32 episode reward used by outcome estimators (GRPO, RLOO, ...)
   policy_version: Any  # [B] int32 version of the parameters that sampled the episode
-  env_version: Any  # [B] int32 version of the environment code/config
-  reward_version: Any  # [B] int32 version of the reward function
+  env_version: Any  # [B] int32 hash of the env's names, versions, parameters (rollout.env_version)
+  reward_version: Any  # [B] int32 hash of the RewardConfig's values (rollout.reward_version)
   env_seed: Any  # [B] uint32 environment-dynamics seed
   task_seed: Any  # [B] uint32 task-generation seed
   sampling_seed: Any  # [B] uint32 policy-sampling seed
-  verifier_seed: Any  # [B] uint32 verifier seed
   reward_components: Mapping[str, Any] = flax.struct.field(default_factory=dict)  # name -> [B] float32
 
   @property
@@ -178,7 +177,6 @@ _SPEC = {
     "env_seed": (("B",), "iu"),
     "task_seed": (("B",), "iu"),
     "sampling_seed": (("B",), "iu"),
-    "verifier_seed": (("B",), "iu"),
 }
 
 
@@ -218,7 +216,7 @@ def empty(batch_size: int, context_length: int, max_steps: int) -> EpisodeBatch:
       truncated=z((b,), bool), termination=z((b,), np.int32), num_steps=z((b,), np.int32),
       score=z((b,), np.float32), policy_version=z((b,), np.int32), env_version=z((b,), np.int32),
       reward_version=z((b,), np.int32), env_seed=z((b,), np.uint32), task_seed=z((b,), np.uint32),
-      sampling_seed=z((b,), np.uint32), verifier_seed=z((b,), np.uint32))
+      sampling_seed=z((b,), np.uint32))
 
 
 def to_device(batch: EpisodeBatch) -> EpisodeBatch:

@@ -335,7 +335,6 @@ def collect(params, model_config: ModelConfig, env: Environment, codec, tasks: A
       env_seed=np.asarray(jax.random.key_data(rows_keys))[:, -1].astype(np.uint32),
       task_seed=np.full((b,), task_seed, np.uint32),
       sampling_seed=np.full((b,), sampling_seed, np.uint32),
-      verifier_seed=np.zeros((b,), np.uint32),
       reward_components=components)
   stats.episodes = b
   info = {k: np.asarray(v) for k, v in to_numpy(info_fn(states)).items()}
