@@ -1,30 +1,57 @@
 """Shared test utilities.
 
-`assert_no_retrace(fn, *call_args)`: calls the jitted `fn` once per entry of `call_args` (each a
+`assert_no_retrace(fn, *calls)`: calls the jitted `fn` once per entry of `calls` (each an
 `(args, kwargs)` pair with the same shapes/dtypes/static arguments but different values) and asserts
-that after the first call the jit cache of `fn` does not grow, i.e. repeated calls of the same shapes
-are traced and compiled once.
+that after the first call JAX neither traces, lowers nor compiles anything again, i.e. repeated calls
+of the same shapes are traced and compiled once. It counts JAX's public compile-pipeline monitoring
+events (`jax.monitoring`, names under `/jax/core/compile/`: one `jaxpr_trace_duration` per top-level
+trace, one `backend_compile_duration` per XLA compile) rather than reading jit's private cache.
+`chex.assert_max_traces` cannot be used here: it must wrap the Python function before `jax.jit`, and
+the functions under test are the library's own module-level jitted functions.
 """
 
+import contextlib
 import os
 
 # Tests run on the CPU; a fixed device count keeps sharded tests meaningful where they run in-process.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import jax
 import numpy as np
 import pytest
 
+# Prefix of the duration events JAX records for each trace, lowering and backend compile of a jit.
+_COMPILE_EVENTS = "/jax/core/compile/"
+
+
+@contextlib.contextmanager
+def _recording_compiles():
+  """Yields a list that collects `(event, fun_name)` for every trace/lowering/compile in the block."""
+  events = []
+
+  def listener(event, duration_secs, **kwargs):
+    del duration_secs
+    if event.startswith(_COMPILE_EVENTS):
+      events.append((event, kwargs.get("fun_name", "?")))
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield events
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
 
 def _assert_no_retrace(fn, *calls):
-  assert hasattr(fn, "_cache_size"), f"{fn} is not a jax.jit-wrapped function"
+  assert hasattr(fn, "lower"), f"{fn} is not a jax.jit-wrapped function"
   assert len(calls) >= 2, "need at least two calls to check for retracing"
   args, kwargs = calls[0]
-  fn(*args, **kwargs)
-  size = fn._cache_size()
-  for args, kwargs in calls[1:]:
-    fn(*args, **kwargs)
-    assert fn._cache_size() == size, (
-        f"{getattr(fn, '__name__', fn)} was traced again for a call with the same shapes")
+  jax.block_until_ready(fn(*args, **kwargs))
+  for i, (args, kwargs) in enumerate(calls[1:], start=1):
+    with _recording_compiles() as events:
+      jax.block_until_ready(fn(*args, **kwargs))
+    assert not events, (
+        f"{getattr(fn, '__name__', fn)} was traced/compiled again by call {i}, whose arguments have "
+        f"the same shapes as call 0: {events}")
 
 
 @pytest.fixture
