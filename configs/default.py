@@ -18,6 +18,11 @@ the warm start's to >= 0.8, at least 0.3 above it; `eval.json`, `metrics.jsonl`,
 
 import ml_collections
 
+from longhorizon.models import sharding
+from longhorizon.train.algorithms import AlgorithmOptions
+from longhorizon.train.options import OptimOptions, RolloutOptions, as_config
+from longhorizon.train.policy_losses import LossOptions
+
 
 def get_config(arg=None):
   config = ml_collections.ConfigDict()
@@ -53,26 +58,9 @@ def get_config(arg=None):
   config.model.intermediate_size = 256
   config.model.dtype = "float32"
 
-  # Rollouts.
-  config.rollout = ml_collections.ConfigDict()
-  config.rollout.mode = "sync"  # sync | async (actor threads generate while the learner trains)
-  config.rollout.num_tasks = 16  # tasks per update
-  config.rollout.group_size = 8  # rollouts per task (GRPO/RLOO/GiGPO groups)
-  config.rollout.context_length = 160  # token budget per episode
-  config.rollout.turn_tokens = 6  # per-turn sampling budget
-  config.rollout.temperature = 1.0
-  config.rollout.top_k = 0
-  config.rollout.top_p = 1.0
-  # Asynchronous rollouts (mode = async; ignored by sync). An actor starts a batch only if it will
-  # be at most max_staleness policy versions old when the learner takes it (0: exactly the sync
-  # run); episodes that still arrive older (several actors finishing out of order) are dropped or
-  # down-weighted by stale_weight ** (lag - max_staleness).
-  config.rollout.max_staleness = 1  # in policy versions (updates)
-  config.rollout.num_actors = 1  # actor threads (overlap tool latency; share the device)
-  config.rollout.queue_size = 2  # finished batches waiting for the learner (actors block when full)
-  config.rollout.stale_policy = "drop"  # drop | downweight
-  config.rollout.stale_weight = 0.5  # downweight factor per version past max_staleness
-  config.rollout.continue_partial = False  # True is rejected: not implemented (BUILD_NOTES)
+  # Rollouts: every field and its default in `longhorizon.train.options.RolloutOptions` (sync or
+  # async; tasks per update, rollouts per task, context and turn budgets, sampling, staleness).
+  config.rollout = as_config(RolloutOptions)
 
   # Reward composition.
   config.reward = ml_collections.ConfigDict()
@@ -82,42 +70,15 @@ def get_config(arg=None):
   config.reward.invalid = 0.0
   config.reward.violation = -1.0
 
-  # Algorithm.
-  config.algorithm = ml_collections.ConfigDict()
-  config.algorithm.name = "grpo"  # grpo | drgrpo | rloo | reinforce_pp | gigpo | ppo
-  config.algorithm.agg = ""  # "" -> the algorithm's default aggregation
-  config.algorithm.clip_low = 0.2
-  config.algorithm.clip_high = 0.28  # > clip_low: DAPO clip-higher
-  config.algorithm.dual_clip = 0.0  # 0 -> off; else c > 1
-  config.algorithm.gspo = False
-  config.algorithm.kl_coef = 0.0
-  config.algorithm.kl_kind = "k3"  # k1 | k2 | k3
-  config.algorithm.entropy_coef = 0.0
-  config.algorithm.tis_threshold = 0.0  # 0 -> off; else truncated IS cap on behaviour log-probs
-  # Off-policy correction: decoupled = PPO clip against the proximal (pre-update) policy times
-  # min(pi_prox / pi_behaviour, tis_threshold); tis = truncated-IS policy gradient against the
-  # behaviour policy (no proximal pass; needs tis_threshold > 0). See train/update.py.
-  config.algorithm.off_policy = "decoupled"  # decoupled | tis
-  config.algorithm.gamma = 1.0
-  config.algorithm.lam = 0.95
-  config.algorithm.advantage = "gae"  # ppo: gae | length_adaptive_gae
-  config.algorithm.step_gamma = 0.95  # gigpo
-  config.algorithm.step_weight = 1.0  # gigpo
-  config.algorithm.normalize_std = True
-  config.algorithm.filter_zero_std = False  # DAPO dynamic sampling
-  config.algorithm.keep_top_groups = 1.0  # RAGEN top-fraction of groups by reward std
-  config.algorithm.value_coef = 0.5  # ppo
-
-  # Optimiser of the RL phase.
-  config.optim = ml_collections.ConfigDict()
-  config.optim.learning_rate = 3e-4
-  config.optim.critic_learning_rate = 1e-3
-  config.optim.schedule = "constant"  # constant | cosine | linear
-  config.optim.warmup_steps = 0
-  config.optim.max_grad_norm = 1.0
-  config.optim.weight_decay = 0.0
-  config.optim.epochs = 2
-  config.optim.minibatches = 2
+  # The advantage estimator (`longhorizon.train.algorithms.AlgorithmOptions`: grpo | drgrpo | rloo |
+  # reinforce_pp | gigpo | ppo, and their options: discounts, GAE lambda, group filters).
+  config.algorithm = as_config(AlgorithmOptions)
+  # The policy loss (`longhorizon.train.policy_losses.LossOptions`: ppo_clip | gspo | tis, clips,
+  # KL, entropy, truncated IS, value loss).
+  config.loss = as_config(LossOptions)
+  # The RL optimiser and update schedule (`longhorizon.train.options.OptimOptions`: AdamW, lr
+  # schedule, epochs x minibatches per batch).
+  config.optim = as_config(OptimOptions)
 
   # SFT warm start on oracle episodes (steps = 0: no warm start).
   config.sft = ml_collections.ConfigDict()
@@ -158,6 +119,9 @@ def get_config(arg=None):
   config.mesh.data = 1
   config.mesh.fsdp = 1
   config.mesh.tensor = 1
+  # Logical-axis rules: which mesh axes shard each logical axis of the models' parameters and
+  # activations and of the update's batch (models/sharding.py; None = replicated).
+  config.mesh.rules = ml_collections.ConfigDict(dict(sharding.DEFAULT_RULES))
 
   if arg == "smoke":
     config.num_updates = 3

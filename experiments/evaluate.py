@@ -9,7 +9,7 @@ r"""Evaluates a policy (or a baseline) on an environment's task split; writes ev
 table has its ceiling and floor). --env is a registered name or the import path of an environment
 outside the library, `package.module:Class` (its folder on PYTHONPATH). Deterministic given --seed.
 
-A workdir is evaluated as its run was: `longhorizon.train.loop.setup` builds the environment with
+A workdir is evaluated as its run was: `longhorizon.train.learner.Learner.build` builds the environment with
 its wrappers (faults, tool costs, loop detection), codec, task suite (the run's `tasks.*` sizes and
 seed, so the run's own test tasks) and the policy from the saved config; rollout and reward settings
 come from it too. The evaluation settings default to the run's final evaluation (split `eval.split`,
@@ -47,6 +47,7 @@ from longhorizon.eval import runner
 from longhorizon.models import checkpoint as checkpoint_lib
 from longhorizon.train import config as config_lib
 from longhorizon.train import loop
+from longhorizon.train.learner import Learner, make_env
 from longhorizon.train.checkpoints import CheckpointError, Checkpointer
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Workdir, model checkpoint, 'oracle' or 'random'.")
@@ -196,29 +197,29 @@ class _Evaluation:
 
 
 def _from_workdir(workdir: str) -> _Evaluation:
-  """A training run as it evaluated itself: `loop.setup` on its saved config (plus overrides)."""
+  """A training run as it evaluated itself: its `Learner` from its saved config (plus overrides)."""
   config = _run_config(workdir)
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"))
   try:
     if checkpointer.latest_step() is None:
       raise CheckpointError(f"--checkpoint={workdir}: the run has no checkpoint yet (one is saved "
                             "after the warm start); evaluate it once training has saved one.")
-    s = loop.setup(config)  # validates the config first
-    state, meta = checkpointer.restore(template=loop.with_reference(s, loop.initial_state(s)))
+    s = Learner.build(config)  # validates the config first
+    state, meta = checkpointer.restore(template=s.with_reference(s.initial_state()))
   finally:
     checkpointer.close()
   logging.info("Evaluating %s at update %s.", workdir, meta.get("update"))
   split = _SPLIT.value or config.eval.split
   temperature = _TEMPERATURE.value if _TEMPERATURE.value is not None else config.rollout.temperature
   return _Evaluation(
-      env=s.env, codec=s.codec, source=s.eval_tasks[split] if split in s.eval_tasks else s.train_tasks,
-      rollout_config=config_lib.rollout_config(config, temperature=temperature),
-      reward=config_lib.reward_config(config),
+      env=s.env, codec=s.codec, source=s.eval_tasks.get(split, s.train_tasks),
+      rollout_config=s.rollout.collect_config(config.env.max_steps, temperature=temperature),
+      reward=s.reward,
       policy={"params": state.params, "model_config": s.model_config},
       defaults={"split": split, "k": config.eval.k, "num_tasks": config.eval.num_tasks,
                 "seed": loop.eval_seed(config), "env": config.env.name,
                 "faults": dict(config.env.faults)},
-      context=loop.in_mesh(s))
+      context=s.in_mesh())
 
 
 def _from_flags(ckpt: str) -> _Evaluation:
@@ -230,7 +231,7 @@ def _from_flags(ckpt: str) -> _Evaluation:
       "faults": faults, "env_error_kinds": tuple(("unavailable",) if _ENV_ERROR_KINDS.value is None
                                  else _ENV_ERROR_KINDS.value),
       "tool_costs": {}, "loop_k": 0})
-  env = loop.make_env(ml_collections.ConfigDict({"env": env_config}))  # before any model loads
+  env = make_env(ml_collections.ConfigDict({"env": env_config}))  # before any model loads
   policy, tokenizer = {}, None
   if ckpt not in runner.BASELINES:
     model_config, params, tokenizer = checkpoint_lib.load(ckpt)

@@ -174,7 +174,7 @@ def _config_probes() -> list[Probe]:
          ("algorithm.lam", "-0.5", "config.algorithm.lam=-0.5"),
          ("algorithm.step_gamma", "2.0", "config.algorithm.step_gamma=2.0"),
          ("curriculum.ema", "1.5", "config.curriculum.ema=1.5"),
-         ("algorithm.clip_low", "1.0", "config.algorithm.clip_low=1.0"),
+         ("loss.clip_low", "1.0", "config.loss.clip_low=1.0"),
          ("alarm.min_entropy", "-1.0", "config.alarm.min_entropy=-1.0"),
          ("sft.episodes", "0", "config.sft.episodes=0"),
          ("rollout.group_size", "1", "config.rollout.group_size=1"),

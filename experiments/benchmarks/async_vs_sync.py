@@ -16,7 +16,7 @@ index `latency_shape`) and the batch sleeps for the largest (a batched tool call
 slowest call). Draws are seeded by (batch index, step), so every mode meets the same latencies.
 
 Modes (`--modes`), each from the same initial parameters for `--updates` updates of batches
-0, 1, ...: `sync` (`loop.rl_step`: sample, then learn) and `async:A:S` (`AsyncRollouts` with `A`
+0, 1, ...: `sync` (`Learner.step`: sample, then learn) and `async:A:S` (`AsyncRollouts` with `A`
 actor threads and `max_staleness` `S`, drop policy). Measured per mode: wall time, trained
 episodes/s and updates/s, speed-up over `sync`, mean and max policy lag, dropped-episode rate,
 learner idle share (waiting for a batch; for sync, the rollout share) and actor idle share (actors
@@ -42,7 +42,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 import results_io  # noqa: E402
 from latency import Latency, parse_mode  # noqa: E402  (flag-free, importable by tests)
-from longhorizon.train import loop  # noqa: E402
+from longhorizon.train.learner import Learner  # noqa: E402
 from longhorizon.train.async_rollout import AsyncRollouts  # noqa: E402
 from longhorizon.train.metrics import Timer  # noqa: E402
 
@@ -75,9 +75,8 @@ def run_sync(s, host_state, updates: int, latency: Latency) -> dict:
   start = time.perf_counter()
   for u in range(updates):
     timer = Timer()
-    batch, stats = loop.collect_batch(s, state.params, u, u * n, timer,
-                                      on_env_step=latency.hook(u))
-    state, metrics = loop.learn_from_batch(s, state, batch, stats, timer)
+    batch, stats = s.collect_batch(state.params, u, u * n, timer, on_env_step=latency.hook(u))
+    state, metrics = s.learn(state, batch, stats, timer)
     split = timer.split()
     rollout_s += split["time/rollout"]
     update_s += split["time/update"]
@@ -95,7 +94,11 @@ def run_async(s, host_state, updates: int, latency: Latency, actors: int, stalen
   config.rollout.max_staleness = staleness
   config.rollout.queue_size = max(staleness, 1) + actors
   config.lock()
-  s = dataclasses.replace(s, config=config)
+  s = s.with_config(config)
+  # Compile this learner's update outside the timing (batch 10^6: not one of the timed ones).
+  warm = _fresh_state(s, host_state)
+  batch, stats = s.collect_batch(warm.params, 10**6, 10**6 * config.rollout.num_tasks, Timer())
+  s.learn(warm, batch, stats, Timer())
   state = _fresh_state(s, host_state)
   rows = []
   start = time.perf_counter()
@@ -146,14 +149,14 @@ def main(argv):
   config.tensorboard = config.progress = False
   config.lock()
   logging.info("devices: %s", jax.devices())
-  s = loop.setup(config)
+  s = Learner.build(config)
   latency = Latency(_LATENCY.value, _LATENCY_MS.value, _LATENCY_SHAPE.value, _SEED.value)
-  with loop.in_mesh(s):
-    host_state = jax.device_get(loop.initial_state(s))
+  with s.in_mesh():
+    host_state = jax.device_get(s.initial_state())
     state = _fresh_state(s, host_state)
     n = config.rollout.num_tasks
     for u in range(_WARMUP.value):  # compile sampler buckets and the update (batches 10^6 + u)
-      state, _ = loop.rl_step(s, state, 10**6 + u, (10**6 + u) * n, Timer())
+      state, _ = s.step(state, 10**6 + u, (10**6 + u) * n, Timer())
     jax.block_until_ready(jax.tree.map(jnp.copy, state.params))  # the publishing copy, compiled
     rows = []
     episodes = config.rollout.num_tasks * config.rollout.group_size

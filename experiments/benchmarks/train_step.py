@@ -7,7 +7,7 @@ r"""Model-FLOPs utilisation (MFU) of the RL update (`train.rl_update`) against a
 What is measured (all in one process, so the ratio shares the machine's state):
 
 * **update**: one `rl_update` (GRPO-style inputs: advantages `[B, L]`, no returns, row weights 1,
-  old log-probs, no reference, no critic) with `LossOptions(minibatches=1, epochs=1)` and
+  old log-probs, no reference, no critic) with one epoch of one minibatch (`jit_rl_update`'s defaults) and
   `make_optimizer(1e-4)` (AdamW + global-norm clipping) on a Llama-style float32 decoder
   (`tiny_config()` with the width/depth flags; tied embeddings). The batch is a synthetic but valid
   `EpisodeBatch` (`validate()` passes): full rows, positions `arange(L)`, a prompt span then
@@ -62,8 +62,9 @@ import numpy as np
 import results_io
 from longhorizon.core import episode as episode_lib
 from longhorizon.models import ModelConfig, init_params, tiny_config, unembedding
-from longhorizon.train.update import (LossOptions, TrainState, episode_logprobs, make_optimizer,
-                                      rl_update)
+from longhorizon.train.policy_losses import LossOptions
+from longhorizon.train.update import (LearnInputs, TrainState, episode_logprobs, jit_rl_update,
+                                      make_optimizer)
 
 _HIDDEN = flags.DEFINE_integer("hidden_size", 512, "Model width D (the MFU target applies at >= 512).")
 _LAYERS = flags.DEFINE_integer("layers", 4, "Decoder blocks.")
@@ -175,8 +176,8 @@ def xla_twin_check(config: ModelConfig, args, optimizer, options: LossOptions, s
   twin_options = dataclasses.replace(options, chunk_size=twin.vocab_size)
   params = jax.eval_shape(lambda: init_params(twin, jax.random.key(seed)))
   state = jax.eval_shape(lambda p: initial_state(p, optimizer, seed), params)
-  compiled = rl_update.lower(state, *args, config=twin, optimizer=optimizer, critic_optimizer=None,
-                             options=twin_options).compile()
+  compiled = jit_rl_update(config=twin, optimizer=optimizer, critic_optimizer=None,
+                           loss=twin_options).lower(state, *args).compile()
   b, l = args[0].tokens.shape
   return {"xla": xla_flops(compiled), "analytic": update_flops(params, twin, b, l)["hardware"]}
 
@@ -219,7 +220,7 @@ def synthetic_batch(shape: Shape, rng: np.random.Generator) -> episode_lib.Episo
 
 def update_inputs(shape: Shape, seed: int):
   """`(config, state, args)`: the model config, an initial `TrainState` and the dynamic arguments of
-  `rl_update` (batch, advantages, returns, row_weight, old_logp, ref_logp, old_values) on device."""
+  `rl_update` (the batch, and its `LearnInputs`: advantages, row weights, old log-probs) on device."""
   config = shape.model_config()
   params = init_params(config, jax.random.key(seed))
   rng = np.random.default_rng(seed)
@@ -231,7 +232,7 @@ def update_inputs(shape: Shape, seed: int):
   jax.tree.map(np.asarray, batch).validate()
   advantages = jnp.asarray(rng.normal(size=loss_mask.shape).astype(np.float32)) * loss_mask
   row_weight = jnp.ones((shape.batch,), jnp.float32)
-  return config, params, (batch, advantages, None, row_weight, logp, None, None)
+  return config, params, (batch, LearnInputs(advantages, None, row_weight, logp, None, None))
 
 
 def initial_state(params, optimizer, seed: int) -> TrainState:
@@ -294,16 +295,16 @@ def main(argv):
 
   config, params, args = update_inputs(shape, _SEED.value)
   optimizer = make_optimizer(1e-4)
-  options = LossOptions(minibatches=1, epochs=1, chunk_size=_CHUNK.value)
+  options = LossOptions(agg="token-mean", chunk_size=_CHUNK.value)
   state0 = initial_state(params, optimizer, _SEED.value)
-  statics = dict(config=config, optimizer=optimizer, critic_optimizer=None, options=options)
 
   logging.info("Compiling rl_update (B=%d, L=%d, D=%d, %d layers)...", shape.batch, shape.length,
                shape.hidden_size, shape.layers)
   start = time.perf_counter()
-  update = rl_update.lower(state0, *args, **statics).compile()
+  update = jit_rl_update(config=config, optimizer=optimizer, critic_optimizer=None,
+                         loss=options).lower(state0, *args).compile()  # one epoch, one minibatch
   compile_s = time.perf_counter() - start
-  counted = update_flops(params, config, shape.batch, shape.length, options.epochs)
+  counted = update_flops(params, config, shape.batch, shape.length, 1)
   xla = xla_flops(update)
   logging.info("Compiling the one-layer twin for XLA's FLOP count...")
   twin = xla_twin_check(config, args, optimizer, options, _SEED.value)
@@ -337,7 +338,7 @@ def main(argv):
     logging.warning("update times vary %.2fx (%s s): the machine's load changed during the run, and "
                     "median-update / best-peak MFU is biased low; rerun on a quiet machine or compare "
                     "the best-update MFU row.", spread, ", ".join(f"{t:.2f}" for t in step_times))
-  tokens = shape.batch * shape.length * options.epochs
+  tokens = shape.batch * shape.length  # one epoch
   applies = shape.hidden_size >= _TARGET_WIDTH
   twin_ratio = None if twin["xla"] is None else twin["xla"] / twin["analytic"]
   rows = [

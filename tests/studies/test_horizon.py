@@ -68,7 +68,7 @@ def test_summarize_mean_and_std_over_seeds():
 def test_actions_needed_and_unknown_env():
   assert horizon.actions_needed("pointer_chain", 8) == 9
   assert horizon.actions_needed("gridworld", 8) == 8
-  with pytest.raises(ValueError, match="pointer_chain and gridworld"):
+  with pytest.raises(ValueError, match="horizon_settings"):
     horizon.actions_needed("retail", 4)
   with pytest.raises(ValueError, match="unknown algorithm label"):
     horizon.cell_config(_config("smoke"), "gridworld", 2, "ppo_vtrace", 0)
@@ -79,15 +79,16 @@ def test_cpu_budgets_hold_an_oracle_episode_of_exactly_the_horizon(env_name, n):
   """The step limit and context budget of the CPU sweep's longest cells fit the oracle's
   episodes, and every task needs exactly N moves (gridworld) or N hops (pointer_chain)."""
   from longhorizon import rollout
-  from longhorizon.train import config as config_lib
-  from longhorizon.train import loop
+  from longhorizon.train.learner import make_env
+  from longhorizon.train.options import RolloutOptions
   config = horizon.cell_config(_config("cpu"), env_name, n, "grpo", 0)
-  env = loop.make_env(config)
+  env = make_env(config)
   codec = env.codec(None, config.env.style)
   tasks = jax.vmap(lambda k: env.generate_task(k, "test"))(jax.random.split(jax.random.key(3), 16))
   assert np.all(np.asarray(jax.vmap(env.task_difficulty)(tasks)) == n)
   batch, _ = rollout.collect(None, None, env, codec, tasks, jax.random.split(jax.random.key(4), 16),
-                             config_lib.rollout_config(config, group_size=1), sampling_seed=0,
+                             RolloutOptions.from_config(config).collect_config(
+                                 config.env.max_steps, group_size=1), sampling_seed=0,
                              scripted=rollout.oracle_turns(env, codec, 0.0))
   assert np.all(batch.success) and not np.any(batch.truncated)
   assert np.all(np.asarray(batch.num_steps) == horizon.actions_needed(env_name, n))

@@ -2,6 +2,7 @@
 completion order (fake sampler), config errors, async with max_staleness=0 equal to the sync run
 (through a resume), and learning with stale batches."""
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -16,7 +17,10 @@ import pytest
 
 from longhorizon.train import async_rollout, loop
 from longhorizon.train import config as config_lib
+from longhorizon.train.learner import Learner
 from longhorizon.train.metrics import Timer, read_metrics
+from longhorizon.train.options import RolloutOptions
+from longhorizon.train.policy_losses import LossOptions
 
 _spec = importlib.util.spec_from_file_location(
     "default_config", os.path.join(os.path.dirname(__file__), "..", "..", "configs", "default.py"))
@@ -56,17 +60,13 @@ def test_lag_metrics_by_hand():
 
 
 @pytest.mark.parametrize("changes,message", [
-    ({"rollout.continue_partial": True}, "continuing partial episodes across a weight update is "
-                                         "not implemented"),
     ({"rollout.stale_policy": "discard"}, "config.rollout.stale_policy='discard'"),
     ({"rollout.max_staleness": -1}, "config.rollout.max_staleness=-1"),
     ({"rollout.num_actors": 0}, "config.rollout.num_actors=0"),
     ({"rollout.queue_size": 0}, "config.rollout.queue_size=0"),
     ({"rollout.stale_weight": 0.0}, "config.rollout.stale_weight=0.0"),
-    ({"algorithm.off_policy": "vtrace"}, "config.algorithm.off_policy='vtrace'"),
-    ({"algorithm.off_policy": "tis"}, "config.algorithm.tis_threshold=0.0"),
-    ({"algorithm.off_policy": "tis", "algorithm.tis_threshold": 2.0, "algorithm.gspo": True},
-     "with algorithm.gspo=True"),
+    ({"loss.name": "vtrace"}, "config.loss.name='vtrace'"),
+    ({"loss.name": "tis"}, "config.loss.tis_threshold=0.0"),
     ({"rollout.mode": "async", "curriculum.num_buckets": 2}, "with rollout.mode='async'"),
 ])
 def test_async_config_errors_name_the_field(changes, message):
@@ -78,14 +78,15 @@ def test_async_config_errors_name_the_field(changes, message):
 def test_default_config_keeps_sync_and_the_existing_loss():
   config = default_config.get_config()
   assert config.rollout.mode == "sync"
-  options = config_lib.loss_options(config)
-  assert options.off_policy == "decoupled" and options.tis_threshold is None
+  options = LossOptions.from_config(config)
+  assert options.name == "ppo_clip" and options.spec.anchor == "proximal"
+  assert options.tis_threshold == 0
 
 
 # --------------------------------------------------------------- protocol with a fake sampler
 
 class FakeSampler:
-  """Replaces `loop.collect_batch`: batch `k` (B = 2 rows) is released when the test says so."""
+  """Replaces `Learner.collect_batch`: batch `k` (B = 2 rows) is released when the test says so."""
 
   def __init__(self):
     self.started, self.released = {}, {}
@@ -96,7 +97,7 @@ class FakeSampler:
     with self.lock:
       return table.setdefault(k, threading.Event())
 
-  def __call__(self, s, params, update, data_position, timer, task_indices=None, *,
+  def __call__(self, params, update, data_position, timer, task_indices=None, *,
                policy_version=None, on_env_step=None):
     self._event(self.started, update).set()
     released, deadline = self._event(self.released, update), time.time() + 30
@@ -119,16 +120,21 @@ class FakeSampler:
         time.sleep(0.001)
 
 
+def _fake_learner(config, collect_batch):
+  """What `AsyncRollouts` uses of a `Learner`, with `collect_batch` replaced."""
+  return types.SimpleNamespace(rollout=RolloutOptions.from_config(config),
+                               loss=LossOptions.from_config(config), collect_batch=collect_batch,
+                               in_mesh=contextlib.nullcontext)
+
+
 @pytest.fixture
-def make_pipeline(monkeypatch):
+def make_pipeline():
   """`make(**rollout_fields) -> (FakeSampler, started AsyncRollouts)`; closed after the test."""
   made = []
 
   def make(**rollout):
     fake = FakeSampler()
-    monkeypatch.setattr(loop, "collect_batch", fake)
-    config = _config(**{f"rollout.{k}": v for k, v in rollout.items()})
-    s = types.SimpleNamespace(config=config, mesh=None)
+    s = _fake_learner(_config(**{f"rollout.{k}": v for k, v in rollout.items()}), fake)
     pipe = async_rollout.AsyncRollouts(s, {"w": jnp.float32(0.0)}, version=0, first_batch=5,
                                        data_position=40)
     made.append((fake, pipe))
@@ -193,11 +199,10 @@ def test_out_of_order_batch_is_dropped_or_downweighted(make_pipeline, policy, we
   assert pipe.next_batch == (9 if policy == "drop" else 8)  # after the newest batch taken
 
 
-def test_actor_errors_reach_the_learner(monkeypatch):
+def test_actor_errors_reach_the_learner():
   def broken(*args, **kwargs):
     raise OSError("tool server down")
-  monkeypatch.setattr(loop, "collect_batch", broken)
-  s = types.SimpleNamespace(config=_config(), mesh=None)
+  s = _fake_learner(_config(), broken)
   pipe = async_rollout.AsyncRollouts(s, {"w": jnp.float32(0)}, version=0, first_batch=0,
                                      data_position=0)
   with pipe:
@@ -243,14 +248,14 @@ def warm(tmp_path_factory, one_hop_learning_changes):
   tmp = tmp_path_factory.mktemp("async_learning")
   config = _config(tmp, **one_hop_learning_changes, **{
       "rollout.mode": "async", "rollout.max_staleness": 2, "rollout.queue_size": 2,
-      "algorithm.tis_threshold": 2.0})
-  s = loop.setup(config)
-  state, _ = loop.warm_start(s, loop.initial_state(s))
+      "loss.tis_threshold": 2.0})
+  s = Learner.build(config)
+  state, _ = s.warm_start(s.initial_state())
   return s, jax.device_get(state)
 
 
 def _sampled_success(s, params):
-  return loop.evaluate_policy(s, params, "test", 64, temperature=1.0, seed=11)["success_rate"]
+  return s.evaluate(params, "test", 64, temperature=1.0, seed=11)["success_rate"]
 
 
 @pytest.mark.slow
@@ -260,8 +265,8 @@ def test_async_with_stale_batches_learns(warm):
   clearly within 12 updates. (The truncated-IS objective without a proximal policy learns
   on-policy but is unstable at lag 2: docs/notes/issue-07.md.)"""
   s, warm_state = warm
-  assert s.config.algorithm.off_policy == "decoupled" and s.config.algorithm.tis_threshold == 2.0
-  state = loop.initial_state(s)
+  assert s.loss.spec.anchor == "proximal" and s.loss.tis_threshold == 2.0
+  state = s.initial_state()
   state = state.replace(params=jax.tree.map(jnp.array, warm_state.params))
   before = _sampled_success(s, state.params)
   assert 0.2 <= before <= 0.65, before

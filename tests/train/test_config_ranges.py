@@ -12,13 +12,13 @@ import pytest
 
 from configs import default as default_config
 from longhorizon.train import config as config_lib
-from longhorizon.train import loop
+from longhorizon.train.learner import Learner
 from longhorizon.train.metrics import Timer
 
 
 def _numeric_paths(node, prefix=""):
   for key, value in node.items():
-    if key in ("params", "faults", "tool_costs"):
+    if key in ("params", "faults", "tool_costs", "rules"):
       continue  # environment parameters and per-kind maps: checked by their own rules
     if hasattr(value, "items"):
       yield from _numeric_paths(value, f"{prefix}{key}.")
@@ -56,7 +56,7 @@ def _config(**changes):
     ({"algorithm.step_gamma": 2.0}, "config.algorithm.step_gamma=2.0"),
     ({"curriculum.ema": 1.5}, "config.curriculum.ema=1.5"),
     ({"curriculum.ema": 0.0}, "config.curriculum.ema=0.0"),
-    ({"algorithm.clip_low": 1.0}, "config.algorithm.clip_low=1.0 is not allowed; expected a number in [0, 1)"),
+    ({"loss.clip_low": 1.0}, "config.loss.clip_low=1.0 is not allowed; expected a number in [0, 1)"),
     ({"alarm.min_entropy": -0.5}, "config.alarm.min_entropy=-0.5"),
     ({"sft.episodes": 0}, "config.sft.episodes=0 is not allowed; expected an integer >= 1 with sft.steps=4"),
     ({"rollout.group_size": 1}, "config.rollout.group_size=1 is not allowed; expected an integer >= 2 for "
@@ -137,12 +137,12 @@ def test_any_config_that_validates_runs_an_update(tmp_path):
     if len(accepted) >= 8:
       return  # the expensive part runs for the first 8 accepted configs
     accepted.append(changes)
-    s = loop.setup(config)
-    with loop.in_mesh(s):
-      state = loop.initial_state(s)
-      state, _ = loop.warm_start(s, state)
-      state = loop.with_reference(s, state)
-      state, metrics = loop.rl_step(s, state, 0, 0, Timer())
+    s = Learner.build(config)
+    with s.in_mesh():
+      state = s.initial_state()
+      state, _ = s.warm_start(state)
+      state = s.with_reference(state)
+      state, metrics = s.step(state, 0, 0, Timer())
     values = np.array([v for v in metrics.values() if np.ndim(v) == 0], np.float64)
     assert np.isfinite(values).all(), {k: v for k, v in metrics.items() if np.ndim(v) == 0}
     jax.clear_caches()

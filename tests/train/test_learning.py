@@ -1,5 +1,6 @@
 """Learners: config validation, masks and gradients, no retracing, every algorithm learns, resume."""
 
+import dataclasses
 import json
 import os
 
@@ -12,8 +13,8 @@ from longhorizon import rollout
 from longhorizon.core.episode import to_device
 from longhorizon.train import algorithms, loop
 from longhorizon.train import config as config_lib
+from longhorizon.train.learner import Learner
 from longhorizon.train.metrics import Timer, read_metrics
-from longhorizon.train.update import rl_update
 
 import importlib.util
 
@@ -41,7 +42,9 @@ def _config(tmp_path, **changes):
     ("env.style", "json", "one of ['compact', 'tool_call']"),
     ("optim.minibatches", 3, "a divisor of rollout.num_tasks * rollout.group_size = 16"),
     ("rollout.temperature", 0.0, "config.rollout.temperature=0.0"),
-    ("algorithm.agg", "mean", "config.algorithm.agg='mean'"),
+    ("loss.agg", "mean", "config.loss.agg='mean'"),
+    ("loss.name", "ppo", "config.loss.name='ppo' is not allowed; expected one of ['gspo', 'ppo_clip', 'tis']"),
+    ("loss.dual_clip", 0.5, "0 (off) or a number > 1"),
     ("rollout.group_size", 0, "an integer >= 1"),
     ("reward.violation", 1.0, "a violation is a failure"),
     ("env.faults", {"meteor": 0.1}, "fault kinds from"),
@@ -74,82 +77,75 @@ def warm(tmp_path_factory, one_hop_learning_changes):
   `one_hop_learning_changes` in tests/conftest.py)."""
   tmp = tmp_path_factory.mktemp("learning")
   config = _config(tmp, **one_hop_learning_changes)
-  s = loop.setup(config)
-  state, _ = loop.warm_start(s, loop.initial_state(s))
+  s = Learner.build(config)
+  state, _ = s.warm_start(s.initial_state())
   return s, jax.device_get(state)
 
 
 def _sampled_success(s, params, seed=11):
-  return loop.evaluate_policy(s, params, "test", 64, temperature=1.0, seed=seed)["success_rate"]
+  return s.evaluate(params, "test", 64, temperature=1.0, seed=seed)["success_rate"]
 
 
 def _batch(s, state, update=0):
   c = s.config
-  tasks = loop._tasks_at(s.train_tasks, update * c.rollout.num_tasks, c.rollout.num_tasks)
+  tasks = s.tasks_at(update * c.rollout.num_tasks, c.rollout.num_tasks)
   keys = jax.random.split(jax.random.key(update), c.rollout.num_tasks)
   batch, _ = rollout.collect(state.params, s.model_config, s.env, s.codec, tasks, keys,
-                             config_lib.rollout_config(c), sampling_seed=update)
+                             s.rollout.collect_config(c.env.max_steps), sampling_seed=update)
   return to_device(batch)
 
 
 def test_observation_and_prompt_tokens_get_no_gradient_nor_kl(warm):
   """Changing advantages, reference log-probs or old log-probs off the loss mask changes nothing."""
   s, state = warm
+  s = dataclasses.replace(s, loss=dataclasses.replace(s.loss, kl_coef=0.5))
   db = _batch(s, state)
-  options = config_lib.loss_options(s.config)
-  old = loop._logprobs(state.params, db, config=s.model_config, temperature=1.0)
-  adv = algorithms.compute_advantages("grpo", db, None, config_lib.algorithm_options(s.config))
+  inputs = s.learn_inputs(state, db)
   off = ~np.asarray(db.loss_mask)
   noise = jnp.asarray(np.random.default_rng(0).normal(size=off.shape) * off, jnp.float32)
-  options = options.__class__(**{**options.__dict__, "kl_coef": 0.5})
 
   def run(advantages, ref, old_logp):
     st = jax.tree.map(jnp.array, state)  # a fresh copy: the update donates its state
-    new, metrics = rl_update(st, db, advantages, None, adv.row_weight, old_logp, ref, None,
-                             config=s.model_config, optimizer=s.optimizer, critic_optimizer=None,
-                             options=options)
+    x = inputs._replace(advantages=advantages, ref_logp=ref, old_logp=old_logp)
+    new, metrics = s.update(st, db, x)
     return jax.device_get(new.params), jax.device_get(metrics)
 
-  base_params, base_metrics = run(adv.advantages, old, old)
-  params, metrics = run(adv.advantages + 5 * noise, old + noise, old + noise)
+  old = inputs.old_logp
+  base_params, base_metrics = run(inputs.advantages, old, old)
+  params, metrics = run(inputs.advantages + 5 * noise, old + noise, old + noise)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params,
                base_params)
   np.testing.assert_allclose(metrics["loss"], base_metrics["loss"], rtol=1e-5, atol=1e-7)
+  assert "kl_ref" in metrics  # the reference term ran
 
 
 def test_update_is_traced_once(warm, assert_no_retrace):
   s, state = warm
-  a, b = _batch(s, state, 0), _batch(s, state, 1)
-  options = config_lib.loss_options(s.config)
   calls = []
-  for db in (a, b):
-    adv = algorithms.compute_advantages("grpo", db, None, config_lib.algorithm_options(s.config))
-    old = loop._logprobs(state.params, db, config=s.model_config, temperature=1.0)
-    calls.append(((jax.tree.map(jnp.array, state), db, adv.advantages, None, adv.row_weight, old,
-                   None, None), dict(config=s.model_config, optimizer=s.optimizer,
-                                     critic_optimizer=None, options=options)))
-  assert_no_retrace(rl_update, *calls)
+  for db in (_batch(s, state, 0), _batch(s, state, 1)):
+    calls.append(((jax.tree.map(jnp.array, state), db, s.learn_inputs(state, db)), {}))
+  update = s.update_fn(*calls[0][0])
+  assert_no_retrace(update, *calls)
+  assert s.update_fn(*calls[1][0]) is update  # one jitted update per learner
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(algorithms.ALGORITHMS))
 def test_every_algorithm_improves_success(warm, name):
   s, state = warm
-  config = s.config
+  config = s.config.copy_and_resolve_references()
   config.unlock()
   config.algorithm.name = name
+  config.optim.critic_learning_rate = 3e-3
   config.lock()
-  s.critic_optimizer = None
-  if algorithms.ALGORITHMS[name].needs_critic:
-    from longhorizon.train.update import make_optimizer
-    s.critic_optimizer = make_optimizer(3e-3)
+  s = s.with_config(config)
   # (the warm start's sampled success is asserted to leave room to improve)
-  start = loop.initial_state(s)
+  start = s.initial_state()
   state = start.replace(params=jax.tree.map(jnp.array, state.params))
   before = _sampled_success(s, state.params)
   assert 0.2 <= before <= 0.65, before
   for update in range(12):
-    state, metrics = loop.rl_step(s, state, update, update * config.rollout.num_tasks, Timer())
+    state, metrics = s.step(state, update, update * config.rollout.num_tasks, Timer())
     assert np.isfinite(metrics["loss"])
   after = _sampled_success(s, state.params)
   assert after >= before + 0.15, (name, before, after)

@@ -20,7 +20,7 @@ import pytest
 from longhorizon import envs, rollout
 from longhorizon.envs import testing
 from longhorizon.models import init_params, tiny_config
-from longhorizon.train import loop
+from longhorizon.train import learner
 from longhorizon.train.metrics import read_metrics
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
@@ -71,12 +71,12 @@ def test_allgather_rows_is_the_identity_in_one_process():
 
 def test_uneven_split_names_the_field():
   config = default_config.get_config("smoke")  # rollout.num_tasks = 4
-  loop.check_process_split(config, eval_size=16, process_count=2)
+  learner.check_process_split(config, eval_size=16, process_count=2)
   with pytest.raises(ValueError, match=r"config.rollout.num_tasks=4 .* 3 JAX processes.*"
                                        r"--config.rollout.num_tasks=6"):
-    loop.check_process_split(config, eval_size=12, process_count=3)
+    learner.check_process_split(config, eval_size=12, process_count=3)
   with pytest.raises(ValueError, match=r"config.eval.num_tasks=15 .* --config.eval.num_tasks=16"):
-    loop.check_process_split(config, eval_size=15, process_count=2)
+    learner.check_process_split(config, eval_size=15, process_count=2)
   assert rollout.process_share(8) == (0, 8)  # one process: everything
 
 

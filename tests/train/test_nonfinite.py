@@ -17,8 +17,9 @@ from longhorizon import envs, rollout
 from longhorizon.core.episode import to_device
 from longhorizon.envs import testing
 from longhorizon.models import init_params, tiny_config
-from longhorizon.train.update import (LossOptions, TrainState, episode_logprobs, make_optimizer,
-                                      rl_update)
+from longhorizon.train.policy_losses import LossOptions
+from longhorizon.train.update import (LearnInputs, TrainState, episode_logprobs, jit_rl_update,
+                                      make_optimizer)
 
 NUM_TASKS, GROUP = 4, 2
 
@@ -61,14 +62,21 @@ def _fresh_state(s: Setup) -> TrainState:
                     skipped=jnp.zeros((), jnp.int32))
 
 
-def _update(s: Setup, advantages, old_logp, state=None, options=LossOptions(minibatches=2)):
-  """One `rl_update` on a copy of `state` (the update donates it); returns host
-  `(state, metrics)`."""
+_LOSS = LossOptions(agg="token-mean", clip_high=0.2)
+_UPDATES = {}  # (setup, epochs) -> its jitted update, compiled once
+
+
+def _update(s: Setup, advantages, old_logp, state=None, epochs=1):
+  """One update of `epochs` x 2 minibatches on a copy of `state` (the update donates it); returns
+  host `(state, metrics)`."""
   state = _fresh_state(s) if state is None else jax.tree.map(jnp.array, state)
   row_weight = jnp.ones((s.batch.tokens.shape[0],), jnp.float32)
-  new, metrics = rl_update(state, s.batch, advantages, None, row_weight, old_logp, None, None,
-                           config=s.model_config, optimizer=s.optimizer, critic_optimizer=None,
-                           options=options)
+  key = (id(s), epochs)
+  if key not in _UPDATES:
+    _UPDATES[key] = jit_rl_update(config=s.model_config, optimizer=s.optimizer,
+                                  critic_optimizer=None, loss=_LOSS, epochs=epochs, minibatches=2)
+  inputs = LearnInputs(advantages, None, row_weight, old_logp, None, None)
+  new, metrics = _UPDATES[key](state, s.batch, inputs)
   return jax.device_get(new), jax.device_get(metrics)
 
 
@@ -112,8 +120,7 @@ def test_one_bad_row_skips_its_minibatches_only(setup, epochs):
   s = setup
   row, col = 3, int(np.argmax(s.mask[3]))
   advantages = s.advantages.at[row, col].set(jnp.nan)
-  new, metrics = _update(s, advantages, s.old_logp,
-                         options=LossOptions(minibatches=2, epochs=epochs))
+  new, metrics = _update(s, advantages, s.old_logp, epochs=epochs)
   assert int(metrics["skipped_updates"]) == epochs
   assert not _equal(new.params, s.params) and _finite(new.params)
   _assert_trains(s, new, skipped_before=epochs)

@@ -13,7 +13,7 @@ from longhorizon.envs import testing
 from longhorizon.envs.pointer_chain import PointerChain
 from longhorizon.models import init_params, tiny_config
 from longhorizon.train import algorithms
-from longhorizon.train.update import LossOptions, episode_logprobs
+from longhorizon.train.update import episode_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +144,7 @@ def test_env_error_episodes_are_kept_but_excluded():
   assert errored.any() and (~errored).any()
   assert (batch.termination[errored] == Termination.ENV_ERROR).all()
   db = to_device(batch)
-  adv = algorithms.compute_advantages("grpo", db, None, algorithms.AlgorithmOptions())
+  adv = algorithms.compute_advantages(db, None, algorithms.AlgorithmOptions())
   assert (np.asarray(adv.row_weight)[errored] == 0).all()
   assert (np.asarray(adv.advantages)[errored] == 0).all()
   # The others are the oracle's successes, untouched by the errors of other rows.

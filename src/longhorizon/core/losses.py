@@ -409,9 +409,10 @@ def value_loss(values: chex.Array,
                returns: chex.Array,
                mask: chex.Array,
                *,
-               clip: float | None = 0.5,
+               clip: float | None,
                agg: str = "token-mean"):
-  """Clipped value loss (PPO2 / OpenAI baselines):
+  """Clipped value loss (PPO2 / OpenAI baselines); `clip` has no default (the learner passes
+  `LossOptions.value_clip`, the one place it is set):
 
       v_clip = old + clip(v - old, -clip, clip)
       l_t = 0.5 * max((v - R)^2, (v_clip - R)^2)          (clip=None: 0.5 * (v - R)^2)

@@ -164,6 +164,14 @@ class Environment(abc.ABC):
     """Constructor parameters for `split` (default: the same environment for every split)."""
     return {}
 
+  @classmethod
+  def horizon_settings(cls, horizon: int) -> dict:
+    """How this environment takes part in a horizon sweep (`studies/horizon.py`): for horizon `N`,
+    `{"params": constructor parameters, "actions": actions H of a flawless episode, "turn_tokens":
+    tokens one turn (action and observation) can take}`. Environments without a horizon raise."""
+    raise NotImplementedError(f"{cls.__name__} does not define horizon_settings(horizon): it "
+                              "cannot be swept over horizons.")
+
   # ------------------------------------------------------------------------------ the API
   def reset(self, key: jax.Array, task: Any = None) -> tuple[EnvState, TimeStep]:
     """Starts an episode. `key` splits into a task stream (used only when `task` is None) and the

@@ -114,6 +114,15 @@ class GridWorld(Environment):
   version = "1"
   milestone_names = ("key", "door", "goal")
 
+  @classmethod
+  def horizon_settings(cls, horizon: int) -> dict:
+    """Tasks whose shortest solutions are exactly N moves, on the smallest square where such
+    routes are common; a turn is the move, an event phrase and the whole grid."""
+    size = horizon // 2 + 2
+    return {"params": {"size": size, "key_door": False, "num_walls": 2, "num_holes": 1,
+                       "max_length": horizon, "min_length": horizon, "candidates": 128},
+            "actions": horizon, "turn_tokens": 12 + size * (size + 1)}
+
   def __init__(self, size: int = 5, num_walls: int = 2, num_holes: int = 2, key_door: bool = True,
                max_length: int | None = None, ood_num_walls: int | None = None,
                ood_num_holes: int | None = None, ood_min_length: int | None = None,
@@ -359,7 +368,7 @@ def _monotone_path(u, a, b, size: int):
   is_horizontal = ~is_vertical & (t < vertical + horizontal)
   r = ar + jnp.sign(br - ar) * jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(is_vertical)])
   c = ac + jnp.sign(bc - ac) * jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(is_horizontal)])
-  return (jnp.arange(size * size)[:, None] == r * size + c).any(axis=1)
+  return (jnp.arange(size * size)[:, None] == (r * size + c)[None, :]).any(axis=1)
 
 
 def _rank(u):

@@ -51,6 +51,12 @@ class PointerChain(Environment):
   version = "1"
   milestone_names = ("halfway", "chain_end")
 
+  @classmethod
+  def horizon_settings(cls, horizon: int) -> dict:
+    """N hops, then the answer: N + 1 actions; "lookup 12 <eot>" + "12 -> 7" per turn."""
+    return {"params": {"horizon": horizon, "ood_horizon": horizon}, "actions": horizon + 1,
+            "turn_tokens": 8}
+
   def __init__(self, horizon: int = 4, ood_horizon: int | None = None, num_keys: int | None = None,
                **reward):
     super().__init__(**reward)

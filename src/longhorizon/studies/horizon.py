@@ -32,15 +32,15 @@ import jax.numpy as jnp
 from matplotlib.figure import Figure
 import numpy as np
 
+from longhorizon import envs
 from longhorizon import rollout
 from longhorizon.core.episode import to_device
 from longhorizon.envs import tasks as task_suites
 from longhorizon.models import init_params
-from longhorizon.train import algorithms as algorithm_lib
 from longhorizon.train import config as config_lib
-from longhorizon.train import loop
+from longhorizon.train import learner as learner_lib
+from longhorizon.train.learner import Learner
 from longhorizon.train.metrics import Timer
-from longhorizon.train.update import make_optimizer
 
 __all__ = ["ALGORITHMS", "Cell", "actions_needed", "cell_config", "step_probabilities", "step_accuracy", "run_cell",
            "run_sweep", "read_results", "summarize", "plot_success_vs_horizon",
@@ -72,31 +72,27 @@ class Cell:
   seed: int
 
 
+def _horizon_settings(env_name: str, horizon: int) -> dict:
+  try:
+    return envs.resolve(env_name).horizon_settings(horizon)
+  except (NotImplementedError, AttributeError) as e:
+    raise ValueError(f"horizon sweeps need an environment with horizon_settings(horizon); "
+                     f"{env_name!r}: {e}") from None
+
+
 def actions_needed(env_name: str, horizon: int) -> int:
-  """Actions H of a flawless episode: `pointer_chain` follows N hops then answers (N + 1);
-  `gridworld` tasks are generated with shortest solutions of exactly N moves."""
-  if env_name == "pointer_chain":
-    return horizon + 1
-  if env_name == "gridworld":
-    return horizon
-  raise ValueError(f"horizon sweeps support pointer_chain and gridworld, got {env_name!r}.")
+  """Actions H of a flawless episode at horizon N (the environment's `horizon_settings`)."""
+  return _horizon_settings(env_name, horizon)["actions"]
 
 
 def _env_settings(env_name: str, horizon: int) -> dict[str, Any]:
   """Environment parameters and budgets for one horizon: a step limit with some slack to recover
   from a wrong action, and a context budget that holds the longest episode."""
-  actions = actions_needed(env_name, horizon)
+  settings = _horizon_settings(env_name, horizon)
+  actions = settings["actions"]
   max_steps = actions + max(2, actions // 4)
-  if env_name == "pointer_chain":
-    params = {"horizon": horizon, "ood_horizon": horizon}
-    turn = 8  # "lookup 12 <eot>" + "12 -> 7" (+ separators)
-  else:
-    size = horizon // 2 + 2  # the smallest square where exactly-N shortest routes are common
-    params = {"size": size, "key_door": False, "num_walls": 2, "num_holes": 1,
-              "max_length": horizon, "min_length": horizon, "candidates": 128}
-    turn = 12 + size * (size + 1)  # the move, an event phrase and the whole grid
-  return {"env.name": env_name, "env.params": params, "env.max_steps": max_steps,
-          "rollout.context_length": 48 + turn * (max_steps + 1)}
+  return {"env.name": env_name, "env.params": settings["params"], "env.max_steps": max_steps,
+          "rollout.context_length": 48 + settings["turn_tokens"] * (max_steps + 1)}
 
 
 def cell_config(base, env_name: str, horizon: int, algorithm: str, seed: int):
@@ -124,10 +120,10 @@ def step_probabilities(logp, turn, loss_mask, step_mask) -> np.ndarray:
   return np.where(steps, np.exp(sums), np.nan)
 
 
-def step_accuracy(params, model_config, oracle_batch) -> tuple[float, np.ndarray]:
+def step_accuracy(learner: Learner, params, oracle_batch) -> tuple[float, np.ndarray]:
   """`(p, p_by_step)`: the probability the policy (at temperature 1) gives the oracle's action,
   teacher-forced on oracle episodes, averaged over all steps, and by step index."""
-  logp = loop._logprobs(params, to_device(oracle_batch), config=model_config, temperature=1.0)
+  logp = learner.logprobs(params, to_device(oracle_batch), temperature=1.0)
   prob = step_probabilities(logp, oracle_batch.turn, oracle_batch.loss_mask,
                             oracle_batch.step_mask)
   with np.errstate(invalid="ignore"), warnings.catch_warnings():
@@ -135,13 +131,66 @@ def step_accuracy(params, model_config, oracle_batch) -> tuple[float, np.ndarray
     return float(np.nanmean(prob)), np.nanmean(prob, axis=0)
 
 
-def _evaluate(s, params, seed: int) -> dict:
-  c = s.config
+def _evaluate(learner: Learner, params, seed: int) -> dict:
+  c = learner.config
   n = c.eval.num_tasks
-  sampled = loop.evaluate_policy(s, params, "test", n, temperature=c.rollout.temperature,
-                                 seed=seed, group_size=c.eval.k)
-  greedy = loop.evaluate_policy(s, params, "test", n, temperature=0.0, seed=seed)
+  sampled = learner.evaluate(params, "test", n, temperature=learner.rollout.temperature, seed=seed,
+                             group_size=c.eval.k)
+  greedy = learner.evaluate(params, "test", n, temperature=0.0, seed=seed)
   return {"success": sampled["success_rate"], "greedy_success": greedy["success_rate"]}
+
+
+def _oracle_episodes(learner: Learner):
+  """Oracle episodes of the test tasks (for the teacher-forced single-step accuracy) and the
+  tasks' mean difficulty."""
+  c = learner.config
+  source = learner.eval_tasks["test"]
+  tasks = task_suites.stack(source, range(min(c.eval.num_tasks, len(source))))
+  keys = jax.random.split(jax.random.key(c.seed + 101), len(jax.tree.leaves(tasks)[0]))
+  oracle, _ = rollout.collect(None, None, learner.env, learner.codec, tasks, keys,
+                              learner.rollout.collect_config(c.env.max_steps, group_size=1),
+                              sampling_seed=0,
+                              scripted=rollout.oracle_turns(learner.env, learner.codec, 0.0))
+  if not np.all(oracle.success):
+    raise RuntimeError(f"the oracle solves only {np.mean(oracle.success):.2f} of the test tasks "
+                       f"of {c.env.name}; raise env.max_steps or rollout.context_length.")
+  difficulty = jax.jit(jax.vmap(learner.env.task_difficulty))(tasks)
+  return oracle, float(np.mean(np.asarray(difficulty)))
+
+
+def _warm_start(base, cell: Cell, algorithm: str, setups: dict) -> tuple[Learner, Any]:
+  """The cell's learner (environment, tasks and codec shared by every seed of an `(env, N)`) and
+  its SFT warm-start parameters."""
+  config = cell_config(base, cell.env, cell.horizon, algorithm, cell.seed)
+  if config.model.checkpoint:
+    raise ValueError("horizon sweeps train fresh tiny policies; set model.checkpoint=''.")
+  if (cell.env, cell.horizon) not in setups:
+    setups[(cell.env, cell.horizon)] = Learner.build(config)
+  shared = setups[(cell.env, cell.horizon)]
+  learner = shared.with_config(
+      config, init_params=init_params(shared.model_config, learner_lib.key(cell.seed, 1)))
+  state, _ = learner.warm_start(learner.initial_state())
+  return learner, jax.tree.map(jnp.copy, state.params)
+
+
+def _train(learner: Learner, params, cell: Cell, label: str) -> tuple[Any, list[dict], int, int]:
+  """Trains `params` (copied) with `learner` for `num_updates`: `(state, curve rows, episodes,
+  tokens)`. RL tasks start after the warm start's SFT tasks."""
+  c = learner.config
+  params = jax.tree.map(jnp.copy, params)
+  state = learner.initial_state().replace(params=params, opt_state=learner.optimizer.init(params))
+  curves, episodes, tokens = [], 0, 0
+  data_position, timer = c.sft.episodes, Timer()
+  batch_size = c.rollout.num_tasks * c.rollout.group_size
+  for update in range(c.num_updates):
+    state, metrics = learner.step(state, update, data_position, timer)
+    data_position += c.rollout.num_tasks
+    episodes += batch_size
+    tokens += int(round(metrics["episode_tokens"] * batch_size))
+    curves.append({"env": cell.env, "horizon": cell.horizon, "algorithm": label,
+                   "seed": cell.seed, "update": update + 1, "episodes": episodes,
+                   "tokens": tokens, "train_success": metrics["success_rate"]})
+  return state, curves, episodes, tokens
 
 
 def run_cell(base, cell: Cell, algorithms: Sequence[str], *, log: Callable[[str], None] = print,
@@ -151,71 +200,27 @@ def run_cell(base, cell: Cell, algorithms: Sequence[str], *, log: Callable[[str]
   `setups` (a dict kept across calls) reuses the environment, task suites and codec of an
   `(env, horizon)` for every seed, so their jitted functions compile once."""
   started = time.perf_counter()
-  first = cell_config(base, cell.env, cell.horizon, algorithms[0], cell.seed)
-  setups = {} if setups is None else setups
-  if (cell.env, cell.horizon) not in setups:
-    setups[(cell.env, cell.horizon)] = loop.setup(first)
-  s = setups[(cell.env, cell.horizon)]
-  if first.model.checkpoint:
-    raise ValueError("horizon sweeps train fresh tiny policies; set model.checkpoint=''.")
-  s = dataclasses.replace(s, config=first,
-                          init_params=init_params(s.model_config, loop._key(cell.seed, 1)))
-  c = s.config
+  warm_learner, warm_params = _warm_start(base, cell, algorithms[0],
+                                          {} if setups is None else setups)
+  c = warm_learner.config
   actions = actions_needed(cell.env, cell.horizon)
-  state = loop.initial_state(dataclasses.replace(s, critic_optimizer=None))
-  state, _ = loop.warm_start(s, state)
-  warm_params = jax.tree.map(jnp.copy, state.params)
-
-  # Oracle episodes of the test tasks, for the teacher-forced single-step accuracy.
-  n = c.eval.num_tasks
-  tasks = task_suites.stack(s.eval_tasks["test"], range(min(n, len(s.eval_tasks["test"]))))
-  keys = jax.random.split(jax.random.key(c.seed + 101), len(jax.tree.leaves(tasks)[0]))
-  oracle, _ = rollout.collect(None, None, s.env, s.codec, tasks, keys,
-                              config_lib.rollout_config(c, group_size=1), sampling_seed=0,
-                              scripted=rollout.oracle_turns(s.env, s.codec, 0.0))
-  if not np.all(oracle.success):
-    raise RuntimeError(f"{cell}: the oracle solves only {np.mean(oracle.success):.2f} of the test "
-                       "tasks; raise env.max_steps or rollout.context_length.")
-  difficulty = jax.jit(jax.vmap(s.env.task_difficulty))(tasks)
-  mean_length = float(np.mean(np.asarray(difficulty)))
-  warm = _evaluate(s, warm_params, c.seed + 17)
-  warm_p, _ = step_accuracy(warm_params, s.model_config, oracle)
+  oracle, mean_length = _oracle_episodes(warm_learner)
+  warm = _evaluate(warm_learner, warm_params, c.seed + 17)
+  warm_p, _ = step_accuracy(warm_learner, warm_params, oracle)
   log(f"{cell.env} N={cell.horizon} seed={cell.seed}: warm start success {warm['success']:.3f} "
       f"(greedy {warm['greedy_success']:.3f}), step accuracy {warm_p:.3f} -> p^{actions} = "
       f"{warm_p ** actions:.3f}  [{time.perf_counter() - started:.0f}s]")
-
   rows, curves = [], []
-  critic_optimizer = None
   for label in algorithms:
     run_started = time.perf_counter()
-    config = cell_config(base, cell.env, cell.horizon, label, cell.seed)
-    needs_critic = algorithm_lib.ALGORITHMS[config.algorithm.name].needs_critic
-    if needs_critic and critic_optimizer is None:
-      o = config.optim
-      critic_optimizer = make_optimizer(o.critic_learning_rate, max_grad_norm=o.max_grad_norm)
-    # Same optimiser object for every run of the cell, so the jitted update compiles once per
-    # algorithm and shape, not once per run.
-    run = dataclasses.replace(s, config=config,
-                              critic_optimizer=critic_optimizer if needs_critic else None)
-    params = jax.tree.map(jnp.copy, warm_params)
-    state = loop.initial_state(dataclasses.replace(run, init_params=params))
-    episodes = tokens = 0
-    data_position = c.sft.episodes
-    timer = Timer()
-    for update in range(config.num_updates):
-      state, metrics = loop.rl_step(run, state, update, data_position, timer)
-      data_position += config.rollout.num_tasks
-      batch_size = config.rollout.num_tasks * config.rollout.group_size
-      episodes += batch_size
-      tokens += int(round(metrics["episode_tokens"] * batch_size))
-      curves.append({"env": cell.env, "horizon": cell.horizon, "algorithm": label,
-                     "seed": cell.seed, "update": update + 1, "episodes": episodes,
-                     "tokens": tokens, "train_success": metrics["success_rate"]})
-    final = _evaluate(run, state.params, c.seed + 17)
-    final_p, _ = step_accuracy(state.params, s.model_config, oracle)
+    learner = warm_learner.with_config(cell_config(base, cell.env, cell.horizon, label, cell.seed))
+    state, run_curves, episodes, tokens = _train(learner, warm_params, cell, label)
+    curves += run_curves
+    final = _evaluate(learner, state.params, c.seed + 17)
+    final_p, _ = step_accuracy(learner, state.params, oracle)
     gain = final["success"] - warm["success"]
     rows.append({"env": cell.env, "horizon": cell.horizon, "actions": actions, "algorithm": label,
-                 "seed": cell.seed, "updates": config.num_updates, "episodes": episodes,
+                 "seed": cell.seed, "updates": learner.config.num_updates, "episodes": episodes,
                  "tokens": tokens, "warm_success": warm["success"],
                  "warm_greedy_success": warm["greedy_success"], "warm_step_accuracy": warm_p,
                  "warm_predicted": warm_p ** actions, "final_success": final["success"],

@@ -31,22 +31,36 @@ import numpy as np
 
 from longhorizon.core import advantages as adv
 from longhorizon.core.episode import EpisodeBatch
+from longhorizon.train.options import DISCOUNT, NON_NEGATIVE, POSITIVE, Options, Range, option
 
-__all__ = ["ALGORITHMS", "Algorithm", "Advantages", "AlgorithmOptions", "group_filter", "register"]
+__all__ = ["ALGORITHMS", "ADVANTAGE_KINDS", "Algorithm", "Advantages", "AlgorithmOptions",
+           "compute_advantages", "group_filter", "register"]
+
+
+ADVANTAGE_KINDS = ("gae", "length_adaptive_gae")  # ppo's token advantage (see `_ppo`)
 
 
 @dataclasses.dataclass(frozen=True)
-class AlgorithmOptions:
-  """Options of the advantage estimators (a frozen, hashable copy of `config.algorithm`)."""
-  gamma: float = 1.0  # token/step discount (GAE, REINFORCE++); GiGPO uses step_gamma
-  lam: float = 0.95  # GAE lambda (ppo with gae)
-  advantage: str = "gae"  # ppo: "gae" or "length_adaptive_gae"
-  vapo_alpha: float = 0.05  # length-adaptive GAE: lambda = 1 - 1 / (alpha * L)
-  step_gamma: float = 0.95  # GiGPO step-return discount
-  step_weight: float = 1.0  # GiGPO weight of the step-level advantage
-  normalize_std: bool = True  # grpo/gigpo: divide by the group std
-  filter_zero_std: bool = False  # DAPO dynamic sampling: drop groups with equal scores
-  keep_top_groups: float = 1.0  # RAGEN: keep this fraction of groups with the largest score std
+class AlgorithmOptions(Options):
+  """The advantage estimator and its options (`config.algorithm`; frozen and hashable)."""
+  SECTION = "algorithm"
+  name: str = option("grpo", choices=lambda: sorted(ALGORITHMS))
+  gamma: float = option(1.0, range=DISCOUNT)  # token/step discount (GAE, REINFORCE++)
+  lam: float = option(0.95, range=DISCOUNT)  # GAE lambda (ppo with gae)
+  advantage: str = option("gae", choices=ADVANTAGE_KINDS)  # ppo's token advantage
+  # length-adaptive GAE: lambda = 1 - 1 / (alpha * L) (VAPO)
+  vapo_alpha: float = option(0.05, range=POSITIVE)
+  step_gamma: float = option(0.95, range=DISCOUNT)  # GiGPO step-return discount
+  step_weight: float = option(1.0, range=NON_NEGATIVE)  # GiGPO weight of the step-level advantage
+  normalize_std: bool = option(True)  # grpo/gigpo: divide by the group std
+  filter_zero_std: bool = option(False)  # DAPO dynamic sampling: drop groups with equal scores
+  # RAGEN: keep this fraction of groups with the largest score std
+  keep_top_groups: float = option(1.0, range=Range(float, 0, 1, low_open=True,
+                                                   note="a fraction of groups"))
+
+  @property
+  def spec(self) -> "Algorithm":
+    return ALGORITHMS[self.name]
 
 
 class Advantages(NamedTuple):
@@ -151,7 +165,7 @@ def _ppo(batch, values, options, weight):
     a, returns = adv.length_adaptive_gae(rewards, values, mask, gamma=options.gamma,
                                          alpha=options.vapo_alpha)
   else:
-    raise ValueError(f"algorithm.advantage must be 'gae' or 'length_adaptive_gae', got "
+    raise ValueError(f"algorithm.advantage must be one of {ADVANTAGE_KINDS}, got "
                      f"{options.advantage!r}.")
   a = adv.masked_whiten(a, mask)
   return Advantages(a * mask, returns, weight)
@@ -165,9 +179,7 @@ register(Algorithm("gigpo", _gigpo, min_group_size=2))
 register(Algorithm("ppo", _ppo, needs_critic=True))
 
 
-def compute_advantages(name: str, batch: EpisodeBatch, values, options: AlgorithmOptions) -> Advantages:
-  """Filters, then the named estimator."""
-  if name not in ALGORITHMS:
-    raise ValueError(f"unknown algorithm {name!r}; registered: {sorted(ALGORITHMS)}.")
+def compute_advantages(batch: EpisodeBatch, values, options: AlgorithmOptions) -> Advantages:
+  """Filters, then the estimator `options.name`."""
   weight = group_filter(batch.score, batch.group, batch.trainable, options)
-  return ALGORITHMS[name].fn(batch, values, options, weight)
+  return options.spec.fn(batch, values, options, weight)

@@ -14,7 +14,7 @@ Pieces (host threads around the same jitted sampler and update as the synchronou
   learner's live buffers. Actors read the newest (params, version) when they start a batch.
 - **Actors** (`rollout.num_actors` threads). An actor takes the next batch index `k`; batch `k`
   has exactly the tasks, environment keys, sampling seed and group labels of synchronous update
-  `k` (`loop.collect_batch`), is sampled with the newest parameters (version `v`, recorded on every
+  `k` (`Learner.collect_batch`), is sampled with the newest parameters (version `v`, recorded on every
   episode as `policy_version`, with the sampler's per-token `behavior_logprobs`) and is put into a
   bounded FIFO queue of `rollout.queue_size` finished batches (a full queue blocks the actor).
 - **Admission (staleness control before sampling).** An actor starts a batch only if, taken in
@@ -29,14 +29,13 @@ Pieces (host threads around the same jitted sampler and update as the synchronou
   such episodes are dropped (`stale_policy='drop'`: row weight 0; a batch dropped entirely is
   discarded and the learner takes the next) or down-weighted by
   `stale_weight ** (lag - max_staleness)` (`'downweight'`).
-- **Off-policy correction** is the loss's (`algorithm.off_policy`, `train/update.py`): decoupled
-  PPO with the proximal policy (the learner's parameters before the update) and the truncated
-  weight `min(pi_prox / pi_behaviour, tis_threshold)`, or the truncated-IS policy gradient against
-  the behaviour log-probs.
+- **Off-policy correction** is the loss's (`config.loss`, `train/policy_losses.py`): a proximal
+  anchor (`ppo_clip`, `gspo`: decoupled PPO against the learner's parameters before the update,
+  with the truncated weight `min(pi_prox / pi_behaviour, loss.tis_threshold)`), or the
+  truncated-IS policy gradient against the behaviour log-probs (`tis`).
 
 Every episode is sampled by one policy version: continuing partial episodes across a weight
-update (per-token versions) is not implemented; `rollout.continue_partial=True` is rejected by the
-config validation.
+update (per-token versions) is not implemented.
 
 Metrics of each update (`async/*`, merged into the update's `metrics.jsonl` line), over the batches
 the learner took since the previous update (the trained one and any dropped before it):
@@ -127,7 +126,7 @@ class AsyncRollouts:
   """Actor threads, the versioned parameter store, the bounded queue and the staleness filter.
 
   Args:
-    s: the run's `loop.Setup` (config, environment, codec, tasks, model).
+    learner: the run's `Learner` (its `collect_batch` runs in the actors, its `learn` in `step`).
     params: the parameters of version `version` (copied; the caller keeps its own).
     version: the learner's policy version (RL updates applied) at the start.
     first_batch: index of the first batch to sample (seeds and group labels of that sync update).
@@ -140,21 +139,21 @@ class AsyncRollouts:
     clock: seconds, monotonic (tests may pass a fake one).
   """
 
-  def __init__(self, s, params, *, version: int, first_batch: int, data_position: int,
+  def __init__(self, learner, params, *, version: int, first_batch: int, data_position: int,
                last_update: int | None = None,
                env_step_hook: Callable[[int], Callable | None] | None = None,
                clock: Callable[[], float] = time.perf_counter):
-    r = s.config.rollout
+    r = learner.rollout
     if jax.process_count() > 1:
       raise ValueError("config.rollout.mode='async' runs in one JAX process; multi-host runs use "
                        "rollout.mode='sync' (the actors' gathers would interleave with the "
                        "learner's collectives).")
-    a = s.config.algorithm
-    if r.max_staleness > 0 and a.off_policy == "decoupled" and not a.tis_threshold:
-      logging.warning("async rollouts with max_staleness=%d and algorithm.tis_threshold=0: the "
-                      "decoupled loss clips against the proximal policy but does not reweight "
-                      "stale samples (set algorithm.tis_threshold, e.g. 2.0).", r.max_staleness)
-    self._s = s
+    loss = learner.loss
+    if r.max_staleness > 0 and loss.spec.anchor == "proximal" and not loss.tis_threshold:
+      logging.warning("async rollouts with max_staleness=%d and loss.tis_threshold=0: the "
+                      "%s loss clips against the proximal policy but does not reweight stale "
+                      "samples (set loss.tis_threshold, e.g. 2.0).", r.max_staleness, loss.name)
+    self._learner = learner
     self.max_staleness = int(r.max_staleness)
     self.num_actors = int(r.num_actors)
     self.queue_size = int(r.queue_size)
@@ -221,10 +220,8 @@ class AsyncRollouts:
     return expected_update - self._version <= self.max_staleness
 
   def _actor(self, actor: int):
-    # cycle: train.loop imports this module (issue 16: the learner removes it)
-    from longhorizon.train import loop
     try:
-      with loop.in_mesh(self._s):
+      with self._learner.in_mesh():
         while True:
           waited = self._clock()
           with self._cv:
@@ -237,8 +234,8 @@ class AsyncRollouts:
             started = self._clock()
             self._actor_idle += started - waited
           hook = self._env_step_hook(index) if self._env_step_hook is not None else None
-          batch, stats = loop.collect_batch(self._s, params, index, self.position(index), Timer(),
-                                            policy_version=version, on_env_step=hook)
+          batch, stats = self._learner.collect_batch(params, index, self.position(index), Timer(),
+                                                     policy_version=version, on_env_step=hook)
           finished = self._clock()
           item = _Item(index=index, version=version, batch=batch, stats=stats, actor=actor,
                        started=started, rollout_s=finished - started)
@@ -322,18 +319,16 @@ class AsyncRollouts:
     return item, scale, metrics
 
   def step(self, state, update: int, timer: Timer, hook=None):
-    """One asynchronous RL update: the next usable batch, `loop.learn_from_batch`, publish.
+    """One asynchronous RL update: the next usable batch, the learner's `learn`, publish.
 
-    Returns `(state, metrics)` like `loop.rl_step` (plus the `async/*` metrics)."""
-    # cycle: train.loop imports this module (issue 16: the learner removes it)
-    from longhorizon.train import loop
+    Returns `(state, metrics)` like `Learner.step` (plus the `async/*` metrics)."""
     try:
       item, scale, async_metrics = self.take(update)
       if hook is not None:
         hook("update", update)
       row_scale = None if np.all(scale == 1) else scale
-      state, metrics = loop.learn_from_batch(self._s, state, item.batch, item.stats, timer,
-                                             row_scale=row_scale)
+      state, metrics = self._learner.learn(state, item.batch, item.stats, timer,
+                                           row_scale=row_scale)
       self.publish(state.params, update + 1)
     except BaseException:
       self.close()  # do not leave actors sampling for a learner that has stopped

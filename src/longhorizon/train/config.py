@@ -1,81 +1,41 @@
-"""Validation of training configs, and their conversion to the library's typed option objects.
+"""Validation of training configs: every field a run reads, before anything is built.
 
-`validate(config)` checks every field a training run reads and raises `ValueError` naming the field,
-the value and what is allowed, before anything is built. Library code never reads flags: the
-launcher parses the config, validates it and passes it down.
+`validate(config)` checks every field and raises `ConfigError` naming the field, the value and what
+is allowed. The sections with a typed options class (`algorithm`, `loss`, `rollout`, `optim`,
+`reward`) are checked by building it (`SPECS`: each validates itself, its choices coming from the
+registries); the other fields by `RANGES` and the cross-field rules below. Library code never reads
+flags: the launcher parses the config, validates it and passes it down.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from typing import Any
 
 import jax
 import ml_collections
 
 from longhorizon import envs
-from longhorizon.core.losses import AGGREGATION_MODES as AGGREGATIONS
 from longhorizon.envs.codec import STYLES
 from longhorizon.envs.wrappers import FAULT_KINDS
-from longhorizon.rollout import RewardConfig, RolloutConfig
 from longhorizon.train.algorithms import ALGORITHMS, AlgorithmOptions
-from longhorizon.train.update import LossOptions
+from longhorizon.train.options import (COUNT as _COUNT, NON_NEGATIVE as _NON_NEGATIVE,
+                                       NON_NEGATIVE_INT as _NON_NEGATIVE_INT,
+                                       POSITIVE as _POSITIVE, PROBABILITY as _PROBABILITY,
+                                       ConfigError, OptimOptions, Options, Range, RolloutOptions,
+                                       fail as _fail, section_ranges)
+from longhorizon.train.policy_losses import LossOptions
 
-__all__ = ["ConfigError", "RANGES", "Range", "set_path", "validate", "algorithm_options", "loss_options", "rollout_config", "reward_config"]
+__all__ = ["ConfigError", "RANGES", "Range", "SPECS", "set_path", "validate"]
+
+# The typed options of a run, each built from its config section (`Options.from_config`).
+SPECS: tuple[type[Options], ...] = (AlgorithmOptions, LossOptions, RolloutOptions, OptimOptions)
 
 _CHOICES = {
     "env.style": STYLES,
-    "rollout.mode": ("sync", "async"),
-    "rollout.stale_policy": ("drop", "downweight"),
-    "algorithm.off_policy": ("decoupled", "tis"),
-    "algorithm.kl_kind": ("k1", "k2", "k3"),
-    "algorithm.advantage": ("gae", "length_adaptive_gae"),
-    "optim.schedule": ("constant", "cosine", "linear"),
     "model.dtype": ("float32", "bfloat16"),
     "eval.split": ("test", "ood", "train"),
 }
 
-
-@dataclasses.dataclass(frozen=True)
-class Range:
-  """The valid values of one numeric config field: an int or a finite real in an interval."""
-  kind: type  # int or float (an int is accepted where a float is expected; bools never)
-  low: float = -math.inf
-  high: float = math.inf
-  low_open: bool = False  # the interval excludes `low`
-  high_open: bool = False  # the interval excludes `high`
-  note: str = ""  # what special values mean, e.g. "0 = off"
-
-  def holds(self, value) -> bool:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-      return False
-    if self.kind is int and not isinstance(value, int):
-      return False
-    if not math.isfinite(value):
-      return False
-    above = value > self.low if self.low_open else value >= self.low
-    below = value < self.high if self.high_open else value <= self.high
-    return above and below
-
-  def describe(self) -> str:
-    what = "an integer" if self.kind is int else "a number"
-    if self.high == math.inf:
-      text = f"{what} {'>' if self.low_open else '>='} {self.low:g}"
-    elif self.low == -math.inf:
-      text = f"{what} {'<' if self.high_open else '<='} {self.high:g}"
-    else:
-      text = (f"{what} in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}"
-              f"{')' if self.high_open else ']'}")
-    return f"{text} ({self.note})" if self.note else text
-
-
-_COUNT = Range(int, 1)
-_NON_NEGATIVE_INT = Range(int, 0)
-_NON_NEGATIVE = Range(float, 0)
-_POSITIVE = Range(float, 0, low_open=True)
-_PROBABILITY = Range(float, 0, 1)
-_DISCOUNT = Range(float, 0, 1, note="a discount or GAE lambda")
 
 # Every numeric field a training run reads, with its valid range (a test checks that each numeric
 # field of configs/default.py is listed here, so a new field cannot skip validation).
@@ -89,36 +49,10 @@ RANGES: dict[str, Range] = {
     "model.hidden_size": _COUNT, "model.num_hidden_layers": _COUNT,
     "model.num_attention_heads": _COUNT, "model.num_key_value_heads": _COUNT,
     "model.intermediate_size": _COUNT,
-    "rollout.num_tasks": _COUNT, "rollout.group_size": _COUNT,
-    "rollout.context_length": _COUNT, "rollout.turn_tokens": _COUNT,
-    "rollout.temperature": Range(float, 0, low_open=True,
-                                 note="RL samples; use eval greedy for temperature 0"),
-    "rollout.top_k": Range(int, 0, note="0 = off"),
-    "rollout.top_p": Range(float, 0, 1, low_open=True),
-    "rollout.max_staleness": _NON_NEGATIVE_INT,
-    "rollout.num_actors": _COUNT, "rollout.queue_size": _COUNT,
-    "rollout.stale_weight": Range(float, 0, 1, low_open=True,
-                                  note="per version past rollout.max_staleness, for "
-                                       "rollout.stale_policy='downweight'"),
     "reward.success": _NON_NEGATIVE, "reward.milestone": _NON_NEGATIVE,
     "reward.cost": Range(float, 0, note="a weight: the step cost times it is subtracted"),
     "reward.invalid": Range(float, 0, note="a penalty: subtracted per malformed action"),
     "reward.violation": Range(float, high=0, note="a violation is a failure"),
-    "algorithm.clip_low": Range(float, 0, 1, high_open=True, note="the ratio clip 1 - clip_low"),
-    "algorithm.clip_high": _NON_NEGATIVE,
-    "algorithm.dual_clip": _NON_NEGATIVE,  # and 0 or > 1, checked below
-    "algorithm.kl_coef": _NON_NEGATIVE, "algorithm.entropy_coef": _NON_NEGATIVE,
-    "algorithm.tis_threshold": Range(float, 0, note="0 = off"),
-    "algorithm.gamma": _DISCOUNT, "algorithm.lam": _DISCOUNT, "algorithm.step_gamma": _DISCOUNT,
-    "algorithm.step_weight": _NON_NEGATIVE,
-    "algorithm.keep_top_groups": Range(float, 0, 1, low_open=True, note="a fraction of groups"),
-    "algorithm.value_coef": _NON_NEGATIVE,
-    "optim.learning_rate": _POSITIVE, "optim.critic_learning_rate": _POSITIVE,
-    "optim.warmup_steps": _NON_NEGATIVE_INT,
-    "optim.max_grad_norm": Range(float, 0, note="0 = no clipping; a negative norm would turn "
-                                                "the clip scale negative"),
-    "optim.weight_decay": _NON_NEGATIVE,
-    "optim.epochs": _COUNT, "optim.minibatches": _COUNT,
     "sft.steps": Range(int, 0, note="0 = no warm start"),
     "sft.episodes": _NON_NEGATIVE_INT,
     "sft.demo_epsilon": Range(float, 0, 1, note="probability of a random demonstrator action"),
@@ -134,9 +68,10 @@ RANGES: dict[str, Range] = {
     "checkpoint_every": _COUNT, "keep_checkpoints": _COUNT,
     "mesh.data": _COUNT, "mesh.fsdp": _COUNT, "mesh.tensor": _COUNT,
 }
-_BOOLS = ("algorithm.gspo", "algorithm.normalize_std", "algorithm.filter_zero_std", "tensorboard",
-          "progress", "rollout.continue_partial")
-_STRINGS = ("env.name", "model.checkpoint", "tasks.data_dir", "algorithm.agg", "algorithm.name")
+# (the typed sections' ranges, from their options classes, for the range tests and docs)
+RANGES.update({path: r for spec in SPECS for path, r in section_ranges(spec).items()})
+_BOOLS = ("tensorboard", "progress")
+_STRINGS = ("env.name", "model.checkpoint", "tasks.data_dir")
 _MAPPINGS = ("env.params", "env.faults", "env.tool_costs")
 
 
@@ -157,14 +92,6 @@ def set_path(config, path: str, value) -> None:
   for part in parents:
     node = node[part]
   node[leaf] = ml_collections.ConfigDict(value) if isinstance(value, dict) else value
-
-
-class ConfigError(ValueError):
-  """A config field has a value that is not allowed (the message names the field and the range)."""
-
-
-def _fail(path, value, allowed):
-  raise ConfigError(f"config.{path}={value!r} is not allowed; expected {allowed}.")
 
 
 def _check_fields(config):
@@ -194,12 +121,13 @@ def _check_fields(config):
 def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Checks the training config; returns it unchanged or raises `ConfigError` naming the field.
 
-  Every numeric field's range (`RANGES`), every choice, then the rules that tie fields together.
+  Every numeric field's range (`RANGES`), every typed section (`SPECS`), every choice, then the
+  rules that tie fields together.
   """
   _check_fields(config)
-  checks = dict(_CHOICES)
-  checks["algorithm.name"] = tuple(sorted(ALGORITHMS))
-  for path, allowed in checks.items():
+  for spec in SPECS:
+    spec.from_config(config)
+  for path, allowed in _CHOICES.items():
     value = _get(config, path)
     if value not in allowed:
       _fail(path, value, f"one of {list(allowed)}")
@@ -208,9 +136,6 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
       envs.resolve(config.env.name)  # an environment outside the library: 'package.module:Class'
     except ValueError as e:
       raise ConfigError(f"config.env.name={config.env.name!r} is not allowed: {e}") from None
-  agg = _get(config, "algorithm.agg")
-  if agg and agg not in AGGREGATIONS:
-    _fail("algorithm.agg", agg, f"'' (the algorithm's default) or one of {list(AGGREGATIONS)}")
   _check_model(config.model)
   _check_rules(config)
   _check_off_policy(config)
@@ -233,8 +158,6 @@ def _check_model(m):
 def _check_rules(config):
   """Rules between fields: batch divisibility, group sizes, SFT data, special values."""
   a = config.algorithm
-  if a.dual_clip and a.dual_clip <= 1:
-    _fail("algorithm.dual_clip", a.dual_clip, "0 (off) or a number > 1")
   if config.env.loop_k == 1:
     _fail("env.loop_k", config.env.loop_k, "0 (off) or an integer >= 2 (the k-th repeat stops)")
   if sum(config.env.faults.values()) > 1 + 1e-9:
@@ -274,53 +197,8 @@ def _check_rules(config):
 
 
 def _check_off_policy(config):
-  """The asynchronous-rollout fields (`rollout.max_staleness`, ...) and `algorithm.off_policy`."""
-  r, a = config.rollout, config.algorithm
-  if r.continue_partial:
-    _fail("rollout.continue_partial", r.continue_partial,
-          "False: continuing partial episodes across a weight update is not implemented (every "
-          "episode is sampled by one policy version; see docs/notes/issue-07.md)")
-  if a.off_policy == "tis":
-    if not a.tis_threshold > 0:
-      _fail("algorithm.tis_threshold", a.tis_threshold,
-            "a truncation constant > 0 (e.g. 2.0) with algorithm.off_policy='tis'")
-    if a.gspo:
-      _fail("algorithm.off_policy", a.off_policy,
-            "'decoupled' with algorithm.gspo=True (the truncated-IS loss is token-level)")
-  if r.mode == "async" and config.curriculum.num_buckets:
+  """The asynchronous rollouts against the curriculum."""
+  if config.rollout.mode == "async" and config.curriculum.num_buckets:
     _fail("curriculum.num_buckets", config.curriculum.num_buckets,
           "0 with rollout.mode='async' (the curriculum draws tasks from the learner's latest "
           "success estimates, which the actors run ahead of)")
-
-
-def algorithm_options(config) -> AlgorithmOptions:
-  a = config.algorithm
-  return AlgorithmOptions(gamma=a.gamma, lam=a.lam, advantage=a.advantage, step_gamma=a.step_gamma,
-                          step_weight=a.step_weight, normalize_std=a.normalize_std,
-                          filter_zero_std=a.filter_zero_std, keep_top_groups=a.keep_top_groups)
-
-
-def loss_options(config) -> LossOptions:
-  a, o = config.algorithm, config.optim
-  return LossOptions(clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip or None,
-                     agg=a.agg or ALGORITHMS[a.name].default_agg, gspo=a.gspo, kl_coef=a.kl_coef,
-                     kl_kind=a.kl_kind, entropy_coef=a.entropy_coef,
-                     tis_threshold=a.tis_threshold or None, off_policy=a.off_policy,
-                     value_coef=a.value_coef,
-                     temperature=config.rollout.temperature, epochs=o.epochs,
-                     minibatches=o.minibatches)
-
-
-def rollout_config(config, group_size: int | None = None, temperature: float | None = None
-                   ) -> RolloutConfig:
-  r = config.rollout
-  return RolloutConfig(group_size=group_size or r.group_size, context_length=r.context_length,
-                       max_steps=config.env.max_steps, turn_tokens=r.turn_tokens,
-                       temperature=r.temperature if temperature is None else temperature,
-                       top_k=r.top_k, top_p=r.top_p)
-
-
-def reward_config(config) -> RewardConfig:
-  w = config.reward
-  return RewardConfig(success=w.success, milestone=w.milestone, cost=w.cost, invalid=w.invalid,
-                      violation=w.violation)

@@ -14,8 +14,9 @@ Phases (each resumable from `workdir`):
 Determinism: every random stream of update `u` is derived from `(config.seed, u)` and the
 checkpointed state, so a run killed and resumed reproduces the uninterrupted run's metrics.
 
-Asynchronous rollouts (`config.rollout.mode='async'`): actor threads run `collect_batch` with
-published copies of the parameters while the learner runs `learn_from_batch` (see
+Every update goes through the run's `Learner` (`train/learner.py`: `step` = `collect_batch` then
+`learn`). Asynchronous rollouts (`config.rollout.mode='async'`): actor threads run the learner's
+`collect_batch` with published copies of the parameters while this loop runs its `learn` (see
 `train/async_rollout.py`: bounded queue, `max_staleness`, per-update `async/*` metrics); with
 `max_staleness=0` the run equals the synchronous one.
 
@@ -31,186 +32,29 @@ missing task files while the others wait.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import functools
 import json
 import os
 import time
-from typing import Any
 
 from absl import logging
-import flax.linen as nn
 import jax
-from jax.experimental import multihost_utils
 import jax.numpy as jnp
 from matplotlib.figure import Figure  # pyplot-free: no global backend switch (notebooks)
 import numpy as np
 
-from longhorizon import envs
-from longhorizon import rollout
-from longhorizon.core.episode import Termination, to_device
 from longhorizon.envs import tasks as task_suites
 from longhorizon.eval import metrics as metrics_lib
 from longhorizon.eval import runner
-from longhorizon.models import Critic, ModelConfig, Transformer, init_params, sharding, tiny_config
-from longhorizon.models import checkpoint as checkpoint_lib
-from longhorizon.train import algorithms
 from longhorizon.train import config as config_lib
 from longhorizon.train import workdir as workdir_lib
 from longhorizon.train.async_rollout import AsyncRollouts
 from longhorizon.train.checkpoints import Checkpointer
 from longhorizon.train.curriculum import Curriculum, bucket_indices, draw_tasks
+from longhorizon.train.learner import Learner
 from longhorizon.train.metrics import MetricsWriter, Progress, Timer, read_metrics
-from longhorizon.train.update import (TrainState, critic_values, episode_logprobs, make_optimizer,
-                                      rl_update, sft_update)
+from longhorizon.train.update import TrainState
 
-__all__ = ["train_and_evaluate", "Setup", "setup", "evaluate_policy", "eval_seed"]
-
-
-@dataclasses.dataclass
-class Setup:
-  """Everything a run builds from its config (no mutable training state)."""
-  config: Any
-  env: envs.Environment
-  codec: Any
-  model_config: ModelConfig
-  init_params: Any
-  train_tasks: Any
-  eval_tasks: dict
-  optimizer: Any
-  critic_optimizer: Any
-  mesh: Any = None  # jax.sharding.Mesh when config.mesh has more than one device
-
-
-def in_mesh(s: "Setup"):
-  """A context with the run's mesh and logical-axis rules active (a no-op on one device), so
-  jitted functions traced inside it honour the models' logical sharding constraints."""
-  if s.mesh is None:
-    return contextlib.nullcontext()
-  return sharding.mesh_context(s.mesh)
-
-
-def _key(seed: int, *path: int):
-  key = jax.random.key(seed)
-  for p in path:
-    key = jax.random.fold_in(key, p)
-  return key
-
-
-def make_env(config) -> envs.Environment:
-  """The configured environment with its wrappers (TimeLimit innermost)."""
-  env = envs.make(config.env.name, **dict(config.env.params))
-  env = envs.TimeLimit(env, config.env.max_steps)
-  if config.env.faults and sum(config.env.faults.values()) > 0:
-    env = envs.FaultInjection(env, dict(config.env.faults), tuple(config.env.env_error_kinds))
-  if config.env.tool_costs:
-    env = envs.ToolCost(env, dict(config.env.tool_costs))
-  if config.env.loop_k:
-    env = envs.LoopDetector(env, config.env.loop_k)
-  return env
-
-
-def check_process_split(config, eval_size: int, process_count: int | None = None):
-  """Multi-host runs split each update's tasks, and the `eval_size` evaluation tasks, evenly
-  over the processes: raises a ValueError naming the field when they cannot be."""
-  count = jax.process_count() if process_count is None else process_count
-  for field, n in (("rollout.num_tasks", config.rollout.num_tasks), ("eval.num_tasks", eval_size)):
-    if n % count:
-      raise ValueError(
-          f"config.{field}={n} cannot be split evenly over {count} JAX processes (each collects "
-          f"an equal share of the tasks); use a multiple of {count}, e.g. "
-          f"--config.{field}={-(-n // count) * count}.")
-
-
-def setup(config) -> Setup:
-  config_lib.validate(config)
-  env = make_env(config)
-  if config.model.checkpoint:
-    model_config, params, tokenizer = checkpoint_lib.load(config.model.checkpoint)
-    codec = env.codec(tokenizer, config.env.style)
-  else:
-    codec = env.codec(None, config.env.style)
-    m = config.model
-    heads = m.num_attention_heads
-    model_config = dataclasses.replace(
-        tiny_config(), vocab_size=len(codec.tokenizer), hidden_size=m.hidden_size,
-        num_hidden_layers=m.num_hidden_layers, num_attention_heads=heads,
-        num_key_value_heads=m.num_key_value_heads, intermediate_size=m.intermediate_size,
-        head_dim=m.hidden_size // heads, dtype=m.dtype)
-    params = init_params(model_config, _key(config.seed, 1))
-  sizes = {"train": config.tasks.train_size, "test": config.tasks.test_size,
-           "ood": config.tasks.ood_size}
-  data_dir = config.tasks.data_dir or None
-  load = functools.partial(task_suites.load, config.env.name, env_params=dict(config.env.params),
-                           seed=config.tasks.seed, sizes=sizes, data_dir=data_dir)
-  if jax.process_count() > 1:
-    # Task files are generated on first use: process 0 writes them while the others wait.
-    if jax.process_index() == 0:
-      task_suites.build(config.env.name, dict(config.env.params), config.tasks.seed, sizes,
-                        data_dir)
-    multihost_utils.sync_global_devices("longhorizon.setup.task_suites")
-  train_tasks = load("train")
-  eval_tasks = {split: load(split) for split in ("test", "ood")}
-  eval_source = eval_tasks.get(config.eval.split, train_tasks)
-  check_process_split(config, min(config.eval.num_tasks, len(eval_source)))
-  o = config.optim
-  optimizer = make_optimizer(o.learning_rate, warmup_steps=o.warmup_steps,
-                             total_steps=max(config.num_updates * o.epochs * o.minibatches, 1),
-                             schedule=o.schedule, max_grad_norm=o.max_grad_norm,
-                             weight_decay=o.weight_decay)
-  critic_optimizer = None
-  if algorithms.ALGORITHMS[config.algorithm.name].needs_critic:
-    critic_optimizer = make_optimizer(o.critic_learning_rate, max_grad_norm=o.max_grad_norm)
-  mesh = None
-  if config.mesh.data * config.mesh.fsdp * config.mesh.tensor > 1:
-    # Parameters (and so optimiser state) are placed by the logical-axis rules: fsdp shards the
-    # model width, tensor the heads / MLP / vocabulary; jit propagates the shardings through the
-    # rollout and the update.
-    # Each process's own devices: in a multi-host run the parameters are replicated across hosts.
-    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor,
-                              devices=jax.local_devices())
-    params = sharding.shard_params(params, Transformer(model_config), jnp.zeros((1, 1), jnp.int32),
-                                   mesh)
-  return Setup(config, env, codec, model_config, params, train_tasks, eval_tasks, optimizer,
-               critic_optimizer, mesh)
-
-
-def initial_state(s: Setup) -> TrainState:
-  critic_params = critic_opt = None
-  if s.critic_optimizer is not None:
-    critic_params = Critic(s.model_config).init(
-        _key(s.config.seed, 2), jnp.zeros((1, 1), jnp.int32))["params"]
-    critic_params = nn.meta.unbox(critic_params)
-    critic_opt = s.critic_optimizer.init(critic_params)
-  return TrainState(params=s.init_params, opt_state=s.optimizer.init(s.init_params),
-                    critic_params=critic_params, critic_opt_state=critic_opt,
-                    step=jnp.zeros((), jnp.int32), policy_version=jnp.zeros((), jnp.int32),
-                    rng=_key(s.config.seed, 3), skipped=jnp.zeros((), jnp.int32))
-
-
-def _tasks_at(source, start: int, count: int):
-  n = len(source)
-  return task_suites.stack(source, [(start + i) % n for i in range(count)])
-
-
-# ------------------------------------------------------------------------------------- evaluation
-
-def evaluate_policy(s: Setup, params, split: str, num_tasks: int, *, temperature: float,
-                    seed: int, group_size: int = 1) -> dict:
-  """Success rate (and episode stats) of `params` on the first `num_tasks` tasks of `split`."""
-  source = s.eval_tasks[split] if split in s.eval_tasks else s.train_tasks
-  n = min(num_tasks, len(source))
-  tasks = task_suites.stack(source, range(n))
-  keys = jax.random.split(_key(seed, 7), n)
-  rc = config_lib.rollout_config(s.config, group_size=group_size, temperature=temperature)
-  batch, _ = rollout.collect_across_processes(params, s.model_config, s.env, s.codec, tasks, keys,
-                                              rc, sampling_seed=seed,
-                                              reward=config_lib.reward_config(s.config))
-  return {"success_rate": float(np.mean(batch.success)),
-          "mean_steps": float(np.mean(batch.num_steps)),
-          "truncation_rate": float(np.mean(batch.truncated)),
-          "env_error_rate": float(np.mean(np.asarray(batch.env_error).any(-1)))}
+__all__ = ["train_and_evaluate", "eval_seed", "new_run", "start_from"]
 
 
 def eval_seed(config) -> int:
@@ -218,179 +62,27 @@ def eval_seed(config) -> int:
   return config.seed + 17
 
 
-def _evaluate_both(s: Setup, params, seed: int, full: bool = False) -> dict:
+def _evaluate_both(s: Learner, params, seed: int, full: bool = False) -> dict:
   """Sampled (training temperature) and greedy success on `eval.split`; with `full`, the whole
   evaluation report (`eval.k` attempts per task: pass@k, pass^k, milestones, rates, buckets)."""
   c = s.config
-  greedy = evaluate_policy(s, params, c.eval.split, c.eval.num_tasks, temperature=0.0, seed=seed)
+  greedy = s.evaluate(params, c.eval.split, c.eval.num_tasks, temperature=0.0, seed=seed)
   if not full:
-    sampled = evaluate_policy(s, params, c.eval.split, c.eval.num_tasks,
-                              temperature=c.rollout.temperature, seed=seed)
+    sampled = s.evaluate(params, c.eval.split, c.eval.num_tasks,
+                         temperature=s.rollout.temperature, seed=seed)
     return {"success_rate": sampled["success_rate"], "greedy_success_rate": greedy["success_rate"],
             "mean_steps": sampled["mean_steps"], "truncation_rate": sampled["truncation_rate"]}
-  source = s.eval_tasks[c.eval.split] if c.eval.split in s.eval_tasks else s.train_tasks
+  source = s.eval_tasks.get(c.eval.split, s.train_tasks)
   tasks = task_suites.stack(source, range(min(c.eval.num_tasks, len(source))))
   report, _ = runner.evaluate(s.env, s.codec, tasks, attempts=c.eval.k,
-                              rollout_config=config_lib.rollout_config(c), policy="model",
-                              params=params, model_config=s.model_config, seed=seed,
-                              reward=config_lib.reward_config(c))
+                              rollout_config=s.rollout.collect_config(c.env.max_steps),
+                              policy="model", params=params, model_config=s.model_config,
+                              seed=seed, reward=s.reward)
   report["greedy_success_rate"] = greedy["success_rate"]
   return report
 
 
-# ------------------------------------------------------------------------------------------- SFT
-
-def warm_start(s: Setup, state: TrainState) -> tuple[TrainState, dict]:
-  """SFT on oracle episodes of train tasks (the same masks as RL)."""
-  c = s.config
-  if not c.sft.steps:
-    return state, {}
-  n = c.sft.episodes
-  tasks = _tasks_at(s.train_tasks, 0, n)
-  keys = jax.random.split(_key(c.seed, 4), n)
-  rc = config_lib.rollout_config(c, group_size=1)
-  batch, _ = rollout.collect(None, None, s.env, s.codec, tasks, keys, rc, sampling_seed=0,
-                             scripted=rollout.oracle_turns(s.env, s.codec, c.sft.demo_epsilon,
-                                                           seed=c.seed))
-  if not c.sft.demo_epsilon and not batch.success.all():
-    logging.warning("oracle SFT episodes: only %.2f succeed (context budget or step limit too "
-                    "small?)", float(batch.success.mean()))
-  batch = to_device(batch)
-  sft_opt = make_optimizer(c.sft.learning_rate, max_grad_norm=c.optim.max_grad_norm)
-  sft_state = state.replace(opt_state=sft_opt.init(state.params))
-  metrics = {}
-  for _ in range(c.sft.steps):
-    sft_state, metrics = sft_update(sft_state, batch, config=s.model_config, optimizer=sft_opt,
-                                    minibatches=c.sft.minibatches)
-    # One step in flight: on a multi-device mesh the CPU client deadlocks once a device has 32
-    # queued computations with collectives (BUILD_NOTES.md, issue 15, "sharded SFT deadlock").
-    jax.block_until_ready(sft_state)
-  metrics = {k: float(v) for k, v in metrics.items()}
-  # `sft_update` donated `sft_state` (and the buffers it shared with `state`): continue from it.
-  state = sft_state.replace(opt_state=s.optimizer.init(sft_state.params))
-  return state, metrics
-
-
-def with_reference(s: Setup, state: TrainState) -> TrainState:
-  """Freezes a copy of the current (warm-start) policy as the KL reference when the KL is on."""
-  if s.config.algorithm.kl_coef > 0:
-    return state.replace(ref_params=jax.tree.map(jnp.copy, state.params))
-  return state
-
-
-# -------------------------------------------------------------------------------------------- RL
-
-@functools.partial(jax.jit, static_argnames=("config", "temperature", "with_entropy"))
-def _logprobs(params, batch, *, config, temperature, with_entropy=False):
-  return episode_logprobs(params, config, batch, temperature=temperature,
-                          return_entropy=with_entropy)
-
-
-_critic_values = jax.jit(critic_values, static_argnames=("config",))
-
-
-def rl_step(s: Setup, state: TrainState, update: int, data_position: int, timer: Timer,
-            hook=None, task_indices=None):
-  """One synchronous RL update: rollouts with the current parameters (`collect_batch`), then
-  advantages and the jitted update (`learn_from_batch`). Returns `(state, metrics)`."""
-  batch, stats = collect_batch(s, state.params, update, data_position, timer, task_indices)
-  if hook is not None:
-    hook("update", update)
-  return learn_from_batch(s, state, batch, stats, timer)
-
-
-def collect_batch(s: Setup, params, update: int, data_position: int, timer: Timer,
-                  task_indices=None, *, policy_version: int | None = None, on_env_step=None):
-  """The rollout half of RL update `update`: `(EpisodeBatch, RolloutStats)` sampled with `params`.
-
-  Tasks are the next `num_tasks` train tasks from `data_position`, or `task_indices` (curriculum).
-  In a multi-host run each process collects its share of them and all update on the whole batch.
-  Environment keys, sampling seed and group labels derive from `update`; `policy_version` (default
-  `update`) is recorded on every episode. `on_env_step` is passed to `rollout.collect`. The async
-  actors (`train/async_rollout.py`) call it from their threads with a copy of the parameters."""
-  c = s.config
-  n = c.rollout.num_tasks
-  if task_indices is None:
-    tasks = _tasks_at(s.train_tasks, data_position, n)
-  else:
-    tasks = task_suites.stack(s.train_tasks, task_indices)
-  env_keys = jax.random.split(_key(c.seed, 5, update), n)
-  extra = {} if on_env_step is None else {"on_env_step": on_env_step}
-  with timer("rollout"):
-    batch, stats = rollout.collect_across_processes(
-        params, s.model_config, s.env, s.codec, tasks, env_keys,
-        config_lib.rollout_config(c), sampling_seed=c.seed * 1_000_003 + update,
-        reward=config_lib.reward_config(c),
-        policy_version=update if policy_version is None else policy_version,
-        task_seed=c.tasks.seed, group_offset=update * n, **extra)
-  return batch, stats
-
-
-def learn_from_batch(s: Setup, state: TrainState, batch, stats, timer: Timer, row_scale=None):
-  """The learning half of an RL update: advantages and the jitted update on `batch` (from
-  `collect_batch`). Returns `(state, metrics)`; `state` is donated.
-
-  `row_scale` (`[B]`, optional) multiplies the algorithm's row weights: the async learner's
-  staleness filter (0 drops an episode, < 1 down-weights it). The clipping anchor `old_logp` is
-  the proximal policy (`state.params` before the update) for `algorithm.off_policy='decoupled'`,
-  the behaviour log-probs for `'tis'` (no proximal pass)."""
-  c = s.config
-  n = c.rollout.num_tasks
-  with timer("update"):
-    db = to_device(batch)
-    if s.mesh is not None:  # data-parallel inputs: rows split over (data, fsdp)
-      db = sharding.shard_batch(db, s.mesh)
-    options = config_lib.loss_options(c)
-    if options.off_policy == "tis":
-      old_logp = db.behavior_logprobs
-    else:
-      old_logp = _logprobs(state.params, db, config=s.model_config,
-                           temperature=options.temperature)
-    values = None
-    if s.critic_optimizer is not None:
-      values = _critic_values(state.critic_params, s.model_config, db)
-    adv = algorithms.compute_advantages(c.algorithm.name, db, values, config_lib.algorithm_options(c))
-    if row_scale is not None:
-      adv = adv._replace(row_weight=adv.row_weight * jnp.asarray(row_scale, adv.row_weight.dtype))
-    ref_logp = None
-    if state.ref_params is not None:
-      ref_logp = _logprobs(state.ref_params, db, config=s.model_config,
-                           temperature=options.temperature)
-    state, m = rl_update(state, db, adv.advantages, adv.returns, adv.row_weight, old_logp, ref_logp,
-                         values, config=s.model_config, optimizer=s.optimizer,
-                         critic_optimizer=s.critic_optimizer, options=options)
-    m = jax.device_get(m)
-  metrics = {k: float(np.asarray(v)) for k, v in m.items()}
-  metrics.update(episode_metrics(batch, adv.row_weight))
-  metrics["_task_success"] = np.asarray(batch.success).reshape(n, -1).mean(-1)
-  metrics.update({k: float(v) for k, v in stats.as_dict().items()})
-  return state, metrics
-
-
-def episode_metrics(batch, row_weight) -> dict:
-  """Success, reward components, lengths, termination kinds and the zero-advantage group rate."""
-  steps = np.asarray(batch.num_steps)
-  out = {"success_rate": float(np.mean(batch.success)), "score": float(np.mean(batch.score)),
-         "episode_steps": float(steps.mean()), "tool_calls": float(steps.mean()),
-         "episode_tokens": float(np.asarray(batch.attention_mask).sum(-1).mean()),
-         "sampled_tokens_per_episode": float(np.asarray(batch.loss_mask).sum(-1).mean()),
-         "env_error_rate": float(np.mean(np.asarray(batch.env_error).any(-1))),
-         "truncation_rate": float(np.mean(batch.truncated)),
-         "violation_rate": float(np.mean(np.asarray(batch.violation).any(-1))),
-         "trained_fraction": float(np.mean(np.asarray(row_weight) > 0))}
-  kinds = np.asarray(batch.termination)
-  for kind in Termination:
-    if kind != Termination.RUNNING:
-      out[f"termination/{kind.name.lower()}"] = float(np.mean(kinds == kind))
-  for name, value in batch.reward_components.items():
-    out[name] = float(np.mean(value))
-  groups, scores = np.asarray(batch.group), np.asarray(batch.score)
-  flat = [np.ptp(scores[groups == g]) == 0 for g in np.unique(groups)]
-  out["zero_advantage_group_rate"] = float(np.mean(flat))
-  return out
-
-
-def make_curriculum(s: Setup, state_dict=None):
+def make_curriculum(s: Learner, state_dict=None):
   """`(Curriculum, bucket index arrays)` over the train split's difficulty buckets, or `(None,
   None)` when `config.curriculum.num_buckets` is 0. Its state lives in the checkpoint meta."""
   c = s.config.curriculum
@@ -439,17 +131,17 @@ def train_and_evaluate(config, workdir: str, *, hook=None, init_from: str | None
   config_lib.validate(config)
   workdir = workdir_lib.resolve(workdir)
   with workdir_lib.WorkdirLock(workdir):
-    s = setup(config)
-    with in_mesh(s):
+    s = Learner.build(config)
+    with s.in_mesh():
       return _train_and_evaluate(s, config, workdir, hook=hook, init_from=init_from)
 
 
-def new_run(s: Setup, state: TrainState, config) -> tuple[TrainState, dict]:
+def new_run(s: Learner, state: TrainState, config) -> tuple[TrainState, dict]:
   """The warm start of a new run: SFT on oracle episodes, then its evaluation. `(state, meta)`."""
   logging.info("New run: warm start by SFT for %d steps on %d oracle episodes.", config.sft.steps,
                config.sft.episodes)
-  state, sft_metrics = warm_start(s, state)
-  state = with_reference(s, state)
+  state, sft_metrics = s.warm_start(state)
+  state = s.with_reference(state)
   warm = _evaluate_both(s, state.params, eval_seed(config), full=True)
   # RL tasks start after the SFT tasks, so the first updates do not replay the demonstrations.
   meta = {"update": 0, "data_position": config.sft.episodes if config.sft.steps else 0,
@@ -464,7 +156,7 @@ def new_run(s: Setup, state: TrainState, config) -> tuple[TrainState, dict]:
 _PARAMETER_FIELDS = ("model.", "env.name", "env.style")
 
 
-def start_from(s: Setup, state: TrainState, source: str) -> tuple[TrainState, dict]:
+def start_from(s: Learner, state: TrainState, source: str) -> tuple[TrainState, dict]:
   """A new run from another run's checkpoint: its parameters, this run's everything else.
 
   The policy parameters come from the newest restorable checkpoint of the workdir `source`; the
@@ -502,7 +194,7 @@ def start_from(s: Setup, state: TrainState, source: str) -> tuple[TrainState, di
                        f"{leaf.shape}.")
   params = jax.tree.map(lambda t, x: jax.device_put(jnp.asarray(x, t.dtype), t.sharding),
                         state.params, params)
-  state = with_reference(s, state.replace(params=params, opt_state=s.optimizer.init(params)))
+  state = s.with_reference(state.replace(params=params, opt_state=s.optimizer.init(params)))
   origin = {"workdir": src, "step": step, "update": src_meta.get("update"),
             "algorithm": saved.get("algorithm", {}).get("name")}
   logging.info("New run from %s (checkpoint step %d, %s): evaluating the starting policy.", src,
@@ -536,7 +228,7 @@ def _resume_message(checkpointer: Checkpointer, latest: int, meta: dict, config)
   return text + "."
 
 
-def _train_and_evaluate(s: Setup, config, workdir: str, *, hook=None, init_from=None) -> dict:
+def _train_and_evaluate(s: Learner, config, workdir: str, *, hook=None, init_from=None) -> dict:
   """Runs (or resumes) the configured experiment in `workdir`; returns the final `eval.json` dict.
 
   `hook(point, update)`, if given, is called at `"rollout"`, `"update"` and `"checkpoint"` (after a
@@ -573,7 +265,7 @@ def _train_and_evaluate(s: Setup, config, workdir: str, *, hook=None, init_from=
           curriculum, buckets, np.random.default_rng([config.seed, update]),
           config.rollout.num_tasks, curriculum.cursor)
     if pipeline is None:
-      state, metrics = rl_step(s, state, update, data_position, timer, hook, task_indices)
+      state, metrics = s.step(state, update, data_position, timer, hook, task_indices)
     else:
       state, metrics = pipeline.step(state, update, timer, hook)
     task_success = metrics.pop("_task_success")
@@ -624,17 +316,17 @@ def _warn_about(update: int, metrics: dict, skipped_before: int) -> int:
   return metrics.get("skipped_updates", skipped_before)
 
 
-def _start_or_resume(s: Setup, config, workdir: str, checkpointer: Checkpointer, init_from
+def _start_or_resume(s: Learner, config, workdir: str, checkpointer: Checkpointer, init_from
                      ) -> tuple[TrainState, dict]:
   """`(state, meta)` to continue from: the workdir's checkpoint, else a new run (a warm start, or
   another run's checkpoint with `init_from`) saved as step 0. The config is checked against the
   saved one before anything is written, and recorded."""
-  state = initial_state(s)
+  state = s.initial_state()
   latest = checkpointer.latest_step()
   # Compared before anything is written: an incompatible config is refused with the diff.
   changes = workdir_lib.check_config(workdir, config, resuming=latest is not None)
   if latest is not None:
-    state, meta = checkpointer.restore(template=with_reference(s, state))
+    state, meta = checkpointer.restore(template=s.with_reference(state))
     _check_init_from(workdir, init_from, meta)
     logging.warning("%s", _resume_message(checkpointer, latest, meta, config))
     workdir_lib.save_config(workdir, config, int(meta["update"]), changes)
@@ -652,7 +344,7 @@ def _start_or_resume(s: Setup, config, workdir: str, checkpointer: Checkpointer,
   return state, meta
 
 
-def _final_evaluation(s: Setup, config, workdir: str, params, meta: dict) -> dict:
+def _final_evaluation(s: Learner, config, workdir: str, params, meta: dict) -> dict:
   """The final evaluation beside the warm start's; writes `eval.json`, `learning_curve.png` and
   `eval.png` (process 0) and returns the `eval.json` dict."""
   final = _evaluate_both(s, params, eval_seed(config), full=True)

@@ -1,40 +1,30 @@
-"""Train state, token log-probs of episodes, and the jitted updates (RL and SFT).
+"""Train state, token log-probs of episodes, and the RL and SFT updates.
 
-`rl_update` is one jitted function per batch shape: it takes the train state, an `EpisodeBatch`
-and the advantages, and runs `epochs x minibatches` optimiser steps in a `lax.scan` (minibatch
-order drawn from the state's rng). The state is donated. A step whose loss or gradient is not
-finite is skipped (parameters and optimiser state unchanged) and counted in `skipped_updates`.
+`rl_update` runs `epochs x minibatches` optimiser steps on one batch in a `lax.scan` (minibatch
+order drawn from the state's rng); `jit_rl_update(...)` jits it with its static parts closed over
+(model config, optimisers, `LossOptions`, temperature, schedule) and, on a mesh, explicit
+`in_shardings` / `out_shardings`; the state is donated. A step whose loss or gradient is not finite
+is skipped (parameters and optimiser state unchanged) and counted in `skipped_updates`.
 
 Loss (per minibatch):
 
-    policy_loss(logp, old_logp, A, mask; clip_low, clip_high, dual_clip, agg, is_weights)  [or GSPO]
+    POLICY_LOSSES[loss.name](logp, old_logp, A, mask, is_weights)    (train/policy_losses.py)
     + kl_coef * aggregate(kl(logp, ref_logp, kl_kind), mask)       (KL to a frozen reference)
     - entropy_coef * aggregate(entropy, mask)
-    + value_coef * value_loss(values, old_values, returns, mask)    (ppo only)
+    + value_coef * value_loss(values, old_values, returns, mask)    (algorithms with a critic)
 
 `mask` is the loss mask (sampled tokens only: prompt and observation tokens never get gradient or
-KL) times the algorithm's row weights (env-error episodes and filtered groups are 0).
-`old_logp` is the pre-update policy's log-prob (recomputed by the learner); `is_weights` is the
-truncated importance weight `min(exp(old_logp - behavior_logp), C)` when `tis_threshold` is set,
-correcting sampler/learner mismatch and staleness.
-
-Off-policy correction (`LossOptions.off_policy`, for stale batches of asynchronous rollouts):
-
-- `decoupled` (default): decoupled PPO (Hilton et al. 2022, "Batch size-invariance for policy
-  optimization"; AReaL, Fu et al. 2025): the trust region is measured against the proximal policy,
-  the learner's parameters before this update (`old_logp`), and the behaviour-to-proximal
-  correction is the truncated weight `min(pi_prox / pi_behav, C)` above, multiplying the loss
-  (`tis_threshold = 0` leaves it out: the synchronous setting, where the two policies agree).
-- `tis`: no proximal policy: `old_logp` is the behaviour log-probs and the loss is
-  `losses.truncated_is_policy_loss` (V-trace's truncated-IS policy gradient, `C = tis_threshold`);
-  the learner skips the proximal forward pass.
+KL) times the algorithm's row weights (env-error episodes and filtered groups are 0). `old_logp`
+is the loss's anchor (`PolicyLoss.anchor`): the pre-update (proximal) policy's log-probs,
+recomputed by the learner, or the behaviour log-probs. With a proximal anchor and
+`tis_threshold > 0`, `is_weights = min(exp(old_logp - behavior_logp), C)` corrects
+sampler/learner mismatch and staleness (decoupled PPO: Hilton et al. 2022; AReaL, Fu et al. 2025).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax
 import jax
@@ -45,9 +35,10 @@ from longhorizon.core import logprobs as lp
 from longhorizon.core import losses
 from longhorizon.core.episode import EpisodeBatch
 from longhorizon.models import Critic, ModelConfig, Transformer, unembedding
+from longhorizon.train.policy_losses import LossOptions
 
-__all__ = ["TrainState", "LossOptions", "make_optimizer", "episode_logprobs", "rl_update",
-           "sft_update", "critic_values"]
+__all__ = ["TrainState", "LearnInputs", "make_optimizer", "episode_logprobs", "rl_update",
+           "jit_rl_update", "sft_update", "critic_values"]
 
 
 @flax.struct.dataclass
@@ -63,37 +54,11 @@ class TrainState:
   ref_params: Any = None  # frozen reference policy for the KL term (None: no KL)
 
 
-@dataclasses.dataclass(frozen=True)
-class LossOptions:
-  """Static options of the RL loss (a frozen copy of `config.algorithm` / `config.optim`)."""
-  clip_low: float = 0.2
-  clip_high: float = 0.2  # > clip_low: DAPO clip-higher
-  dual_clip: float | None = None
-  agg: str = "token-mean"
-  gspo: bool = False
-  gspo_clip_low: float = 3e-4
-  gspo_clip_high: float = 4e-4
-  kl_coef: float = 0.0
-  kl_kind: str = "k3"
-  entropy_coef: float = 0.0
-  tis_threshold: float | None = None  # truncated IS on behaviour log-probs (None: off)
-  off_policy: str = "decoupled"  # decoupled (clip vs proximal, IS weight) | tis (see module doc)
-  value_coef: float = 0.5
-  value_clip: float | None = 0.2
-  temperature: float = 1.0  # the sampling temperature: log-probs are of the sampled distribution
-  epochs: int = 1
-  minibatches: int = 1
-  chunk_size: int = 4096  # vocabulary chunk of the fused log-prob kernel
-
-
-@functools.lru_cache(maxsize=64)
 def make_optimizer(learning_rate: float, *, warmup_steps: int = 0, total_steps: int = 1,
                    schedule: str = "constant", max_grad_norm: float | None = 1.0,
                    weight_decay: float = 0.0, b1: float = 0.9, b2: float = 0.999) -> optax.GradientTransformation:
-  """AdamW with global-norm clipping and a warmup + constant/cosine/linear schedule.
-
-  Cached: equal settings return the same (stateless) object, so the jitted updates, which take
-  the optimiser as a static argument, compile once per setting rather than once per run."""
+  """AdamW with global-norm clipping and a warmup + constant/cosine/linear schedule (the learner
+  builds it once per run and closes its jitted update over it)."""
   if schedule == "constant":
     decay = optax.constant_schedule(learning_rate)
   elif schedule == "cosine":
@@ -156,118 +121,125 @@ def _slice_rows(tree, rows):
   return jax.tree.map(lambda a: a[rows] if hasattr(a, "ndim") and a.ndim >= 1 else a, tree)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "optimizer", "critic_optimizer", "options"),
-                   donate_argnames=("state",))
-def rl_update(state: TrainState, batch: EpisodeBatch, advantages, returns, row_weight, old_logp,
-              ref_logp, old_values, *, config: ModelConfig, optimizer, critic_optimizer,
-              options: LossOptions):
+class LearnInputs(NamedTuple):
+  """What the learner computes for a batch before the update (all `[B, L]` but `row_weight`)."""
+  advantages: jax.Array  # float32, 0 off the loss mask
+  returns: jax.Array | None  # value targets (algorithms with a critic)
+  row_weight: jax.Array  # [B] float32: 0 drops a row (env error, filtered group, too stale)
+  old_logp: jax.Array  # the loss's anchor: proximal or behaviour log-probs
+  ref_logp: jax.Array | None  # the KL reference's log-probs
+  old_values: jax.Array | None  # critic values at rollout time
+
+
+def _prepare(batch: EpisodeBatch, x: LearnInputs, loss: LossOptions) -> dict:
+  """The scanned data: the row-weighted loss mask, inputs zeroed off it (so a NaN there cannot
+  poison the gradient) and the truncated-IS weights of a proximal anchor."""
+  mask = jnp.asarray(batch.loss_mask, jnp.float32) * x.row_weight[:, None]
+  on = mask > 0
+  old_logp = jnp.where(on, x.old_logp, 0.0)
+  ref_logp = None if x.ref_logp is None else jnp.where(on, x.ref_logp, 0.0)
+  is_weights = None
+  if loss.tis_threshold and loss.spec.anchor == "proximal":
+    is_weights = losses.truncated_is_weights(old_logp, batch.behavior_logprobs, mask,
+                                             threshold=loss.tis_threshold)
+  return dict(batch=batch, adv=jnp.where(on, x.advantages, 0.0), mask=mask, old_logp=old_logp,
+              ref_logp=ref_logp, returns=x.returns, old_values=x.old_values, is_weights=is_weights)
+
+
+def _policy_loss(params, mb, *, config: ModelConfig, loss: LossOptions, temperature: float):
+  logp, ent = episode_logprobs(params, config, mb["batch"], temperature=temperature,
+                               chunk_size=loss.chunk_size, return_entropy=True)
+  value, metrics = loss.spec.fn(logp, mb["old_logp"], mb["adv"], mb["mask"], mb["is_weights"], loss)
+  metrics = dict(metrics, policy_loss=value, entropy=losses.masked_mean(ent, mb["mask"]))
+  if loss.entropy_coef:
+    value = value - loss.entropy_coef * losses.aggregate(ent, mb["mask"], loss.agg)
+  if mb["ref_logp"] is not None:
+    kl = losses.kl(logp, mb["ref_logp"], loss.kl_kind)
+    metrics["kl_ref"] = losses.masked_mean(kl, mb["mask"])
+    if loss.kl_coef:
+      value = value + loss.kl_coef * losses.aggregate(kl, mb["mask"], loss.agg)
+  return value, metrics
+
+
+def _critic_loss(critic_params, mb, *, config: ModelConfig, loss: LossOptions):
+  values = critic_values(critic_params, config, mb["batch"])
+  value, metrics = losses.value_loss(values, mb["old_values"], mb["returns"], mb["mask"],
+                                     clip=loss.value_clip or None)
+  return loss.value_coef * value, dict(metrics, value_loss=value)
+
+
+def _minibatch_step(state: TrainState, mb, *, config, optimizer, critic_optimizer, loss,
+                    temperature):
+  """One optimiser step (policy, and critic if any) on minibatch `mb`; skipped if not finite."""
+  policy = functools.partial(_policy_loss, config=config, loss=loss, temperature=temperature)
+  (value, metrics), grads = jax.value_and_grad(policy, has_aux=True)(state.params, mb)
+  # Non-finite inputs on the mask (the log-ratio clamp would hide an infinite old log-prob) or a
+  # non-finite loss/gradient: skip the step.
+  on = mb["mask"] > 0
+  ok = (jnp.isfinite(value) & _finite(grads)
+        & _finite([jnp.where(on, mb["adv"], 0.0), jnp.where(on, mb["old_logp"], 0.0)]))
+  params, opt_state = _apply(optimizer, state.params, state.opt_state, grads, ok)
+  metrics = dict(metrics, loss=value, grad_norm=_norm(grads))
+  critic_params, critic_opt = state.critic_params, state.critic_opt_state
+  if critic_optimizer is not None:
+    critic = functools.partial(_critic_loss, config=config, loss=loss)
+    (cvalue, cmetrics), cgrads = jax.value_and_grad(critic, has_aux=True)(critic_params, mb)
+    cok = jnp.isfinite(cvalue) & _finite(cgrads)
+    critic_params, critic_opt = _apply(critic_optimizer, critic_params, critic_opt, cgrads, cok)
+    ok = ok & cok
+    metrics.update(cmetrics, critic_grad_norm=_norm(cgrads))
+  state = state.replace(params=params, opt_state=opt_state, critic_params=critic_params,
+                        critic_opt_state=critic_opt, step=state.step + 1,
+                        skipped=state.skipped + (~ok).astype(jnp.int32))
+  return state, metrics
+
+
+def rl_update(state: TrainState, batch: EpisodeBatch, inputs: LearnInputs, *, config: ModelConfig,
+              optimizer, critic_optimizer, loss: LossOptions, temperature: float = 1.0,
+              epochs: int = 1, minibatches: int = 1):
   """Runs `epochs x minibatches` optimiser steps on one batch; returns `(state, metrics)`.
 
-  Args:
-    state: `TrainState` (donated).
-    batch: the `EpisodeBatch` (device arrays).
-    advantages: `[B, L]` float32. returns: `[B, L]` value targets or None. row_weight: `[B]`.
-    old_logp: `[B, L]` pre-update (proximal) log-probs; with `options.off_policy == "tis"` the
-      behaviour log-probs (the anchor of the truncated-IS loss). ref_logp: `[B, L]` reference
-      log-probs or None.
-    old_values: `[B, L]` critic values at rollout time or None.
+  `inputs` holds the advantages, row weights and log-probs of the batch (see `LearnInputs`);
+  `temperature` is the sampling temperature (log-probs are of the sampled distribution). Not jitted:
+  `jit_rl_update` closes it over its static arguments.
   """
   b = batch.tokens.shape[0]
-  m = options.minibatches
-  if b % m:
-    raise ValueError(f"batch of {b} episodes does not split into {m} minibatches.")
-  mask = jnp.asarray(batch.loss_mask, jnp.float32) * row_weight[:, None]
-  # Values off the loss mask never matter; zero them so a NaN there cannot poison the gradient.
-  on = mask > 0
-  advantages = jnp.where(on, advantages, 0.0)
-  old_logp = jnp.where(on, old_logp, 0.0)
-  if ref_logp is not None:
-    ref_logp = jnp.where(on, ref_logp, 0.0)
-  if options.off_policy not in ("decoupled", "tis"):
-    raise ValueError(f"LossOptions.off_policy must be 'decoupled' or 'tis', got "
-                     f"{options.off_policy!r}.")
-  if options.off_policy == "tis" and (options.tis_threshold is None or options.gspo):
-    raise ValueError("LossOptions.off_policy='tis' needs tis_threshold (the truncation C) and "
-                     "gspo=False.")
-  is_weights = None
-  if options.tis_threshold is not None and options.off_policy == "decoupled":
-    is_weights = losses.truncated_is_weights(old_logp, batch.behavior_logprobs, mask,
-                                             threshold=options.tis_threshold)
-  data = dict(batch=batch, adv=advantages, mask=mask, old_logp=old_logp, ref_logp=ref_logp,
-              returns=returns, old_values=old_values, is_weights=is_weights)
-
-  def policy_loss_fn(params, mb):
-    logp, ent = episode_logprobs(params, config, mb["batch"], temperature=options.temperature,
-                                 chunk_size=options.chunk_size, return_entropy=True)
-    if options.off_policy == "tis":
-      loss, metrics = losses.truncated_is_policy_loss(logp, mb["old_logp"], mb["adv"], mb["mask"],
-                                                      threshold=options.tis_threshold,
-                                                      agg=options.agg)
-    elif options.gspo:
-      loss, metrics = losses.gspo_loss(logp, mb["old_logp"], mb["adv"], mb["mask"],
-                                       clip_low=options.gspo_clip_low,
-                                       clip_high=options.gspo_clip_high, agg=options.agg,
-                                       is_weights=mb["is_weights"])
-    else:
-      loss, metrics = losses.policy_loss(logp, mb["old_logp"], mb["adv"], mb["mask"],
-                                         clip_low=options.clip_low, clip_high=options.clip_high,
-                                         dual_clip=options.dual_clip, agg=options.agg,
-                                         is_weights=mb["is_weights"])
-    metrics = dict(metrics, policy_loss=loss)
-    entropy = losses.masked_mean(ent, mb["mask"])
-    metrics["entropy"] = entropy
-    if options.entropy_coef:
-      loss = loss - options.entropy_coef * losses.aggregate(ent, mb["mask"], options.agg)
-    if mb["ref_logp"] is not None:
-      kl = losses.kl(logp, mb["ref_logp"], options.kl_kind)
-      kl_value = losses.aggregate(kl, mb["mask"], options.agg)
-      metrics["kl_ref"] = losses.masked_mean(kl, mb["mask"])
-      if options.kl_coef:
-        loss = loss + options.kl_coef * kl_value
-    return loss, metrics
-
-  def critic_loss_fn(critic_params, mb):
-    values = critic_values(critic_params, config, mb["batch"])
-    loss, vmetrics = losses.value_loss(values, mb["old_values"], mb["returns"], mb["mask"],
-                                       clip=options.value_clip)
-    return options.value_coef * loss, dict(vmetrics, value_loss=loss)
-
-  def minibatch_step(carry, rows):
-    state = carry
-    mb = _slice_rows(data, rows)
-    (loss, metrics), grads = jax.value_and_grad(policy_loss_fn, has_aux=True)(state.params, mb)
-    grad_norm = _norm(grads)
-    # Non-finite inputs on the mask (the log-ratio clamp would hide an infinite old log-prob) or a
-    # non-finite loss/gradient: skip the step.
-    inputs_ok = _finite([jnp.where(mb["mask"] > 0, mb["adv"], 0.0),
-                         jnp.where(mb["mask"] > 0, mb["old_logp"], 0.0)])
-    ok = jnp.isfinite(loss) & _finite(grads) & inputs_ok
-    params, opt_state = _apply(optimizer, state.params, state.opt_state, grads, ok)
-    metrics = dict(metrics, loss=loss, grad_norm=grad_norm)
-    critic_params, critic_opt = state.critic_params, state.critic_opt_state
-    if critic_optimizer is not None:
-      (closs, cmetrics), cgrads = jax.value_and_grad(critic_loss_fn, has_aux=True)(critic_params, mb)
-      cok = jnp.isfinite(closs) & _finite(cgrads)
-      critic_params, critic_opt = _apply(critic_optimizer, critic_params, critic_opt, cgrads, cok)
-      ok = ok & cok
-      metrics.update(cmetrics, critic_grad_norm=_norm(cgrads))
-    state = state.replace(params=params, opt_state=opt_state, critic_params=critic_params,
-                          critic_opt_state=critic_opt, step=state.step + 1,
-                          skipped=state.skipped + (~ok).astype(jnp.int32))
-    return state, metrics
-
+  if b % minibatches:
+    raise ValueError(f"batch of {b} episodes does not split into {minibatches} minibatches.")
+  data = _prepare(batch, inputs, loss)
+  step = functools.partial(_minibatch_step, config=config, optimizer=optimizer,
+                           critic_optimizer=critic_optimizer, loss=loss, temperature=temperature)
   rng, perm_key = jax.random.split(state.rng)
-  keys = jax.random.split(perm_key, options.epochs)
-  order = jnp.concatenate([jax.random.permutation(k, b) for k in keys]).reshape(-1, b // m)
-  state, metrics = jax.lax.scan(minibatch_step, state, order)
+  keys = jax.random.split(perm_key, epochs)
+  order = jnp.concatenate([jax.random.permutation(k, b) for k in keys]).reshape(-1, b // minibatches)
+  state, metrics = jax.lax.scan(lambda st, rows: step(st, _slice_rows(data, rows)), state, order)
   metrics = jax.tree.map(jnp.mean, metrics)
   metrics["skipped_updates"] = state.skipped
-  if is_weights is not None:
-    metrics["is_weight_mean"] = losses.masked_mean(is_weights, mask)
+  if data["is_weights"] is not None:
+    mask, old_logp = data["mask"], data["old_logp"]
+    metrics["is_weight_mean"] = losses.masked_mean(data["is_weights"], mask)
     metrics["is_truncated_frac"] = losses.masked_mean(
-        jnp.exp(jnp.clip(old_logp - batch.behavior_logprobs, -20.0, 20.0)) > options.tis_threshold,
+        jnp.exp(jnp.clip(old_logp - batch.behavior_logprobs, -20.0, 20.0)) > loss.tis_threshold,
         mask)
   return state.replace(rng=rng, policy_version=state.policy_version + 1), metrics
+
+
+def jit_rl_update(*, config: ModelConfig, optimizer, critic_optimizer, loss: LossOptions,
+                  temperature: float = 1.0, epochs: int = 1, minibatches: int = 1,
+                  shardings=None):
+  """`rl_update` jitted with its static arguments closed over: `(state, batch, inputs) -> (state,
+  metrics)`, the state donated. `shardings`, if given, is the `(state, batch, inputs, metrics)`
+  shardings (each a `jax.sharding.Sharding` or a pytree of them): the first three are the update's
+  `in_shardings`, the state's and the metrics' its `out_shardings`, so the layout is fixed rather
+  than inferred and the state comes back laid out as it went in."""
+  fn = functools.partial(rl_update, config=config, optimizer=optimizer,
+                         critic_optimizer=critic_optimizer, loss=loss, temperature=temperature,
+                         epochs=epochs, minibatches=minibatches)
+  if shardings is None:
+    return jax.jit(fn, donate_argnums=0)
+  state, batch, inputs, metrics = shardings
+  return jax.jit(fn, donate_argnums=0, in_shardings=(state, batch, inputs),
+                 out_shardings=(state, metrics))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "optimizer", "minibatches"),

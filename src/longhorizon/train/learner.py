@@ -1,0 +1,396 @@
+"""The learner: a frozen description of a run, and the two halves of an RL update.
+
+    learner = Learner.build(config)         # the validated config -> everything a run is made of
+    state = learner.initial_state()
+    state, sft_metrics = learner.warm_start(state)
+    batch, stats = learner.collect_batch(state.params, update, data_position, timer)
+    state, metrics = learner.learn(state, batch, stats, timer)   # (or learner.step: both)
+
+`Learner` holds the environment (with its wrappers), codec, task suites, model config and initial
+parameters, the optimisers, the mesh and the typed options of the run (`rollout`, `reward`,
+`algorithm`, `loss`, `optim`: one object each, built once from their config sections). `learn` owns
+every forward pass an update needs besides the update itself (the proximal policy's log-probs, the
+KL reference's, the critic's values), the advantages and the jitted update, which is closed over the
+optimisers and options (with explicit shardings on a mesh) and compiled once per learner.
+
+Its drivers: the synchronous loop (`train/loop.py`: `step` per update), the asynchronous pipeline
+(`train/async_rollout.py`: actors call `collect_batch` with published parameters, the learner thread
+`learn`) and the horizon study (`studies/horizon.py`: one learner per algorithm via `with_config`).
+None of them repeats an update.
+
+Determinism: every random stream of update `u` derives from `(config.seed, u)` and the state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from typing import Any
+
+from absl import logging
+import flax.linen as nn
+import jax
+from jax.experimental import multihost_utils
+import jax.numpy as jnp
+import numpy as np
+
+from longhorizon import envs
+from longhorizon import rollout
+from longhorizon.core.episode import Termination, to_device
+from longhorizon.envs import tasks as task_suites
+from longhorizon.models import Critic, ModelConfig, Transformer, init_params, sharding, tiny_config
+from longhorizon.models import checkpoint as checkpoint_lib
+from longhorizon.rollout import RewardConfig
+from longhorizon.train import config as config_lib
+from longhorizon.train.algorithms import AlgorithmOptions, compute_advantages
+from longhorizon.train.metrics import Timer
+from longhorizon.train.options import OptimOptions, RolloutOptions
+from longhorizon.train.policy_losses import LossOptions
+from longhorizon.train.update import (LearnInputs, TrainState, critic_values, episode_logprobs,
+                                      jit_rl_update, make_optimizer, sft_update)
+
+__all__ = ["Learner", "key", "make_env", "check_process_split", "episode_metrics"]
+
+
+def key(seed: int, *path: int) -> jax.Array:
+  """The PRNG key of stream `path` of a run with `seed` (e.g. `key(seed, 5, update)`)."""
+  k = jax.random.key(seed)
+  for p in path:
+    k = jax.random.fold_in(k, p)
+  return k
+
+
+def make_env(config) -> envs.Environment:
+  """The configured environment with its wrappers (TimeLimit innermost)."""
+  env = envs.make(config.env.name, **dict(config.env.params))
+  env = envs.TimeLimit(env, config.env.max_steps)
+  if config.env.faults and sum(config.env.faults.values()) > 0:
+    env = envs.FaultInjection(env, dict(config.env.faults), tuple(config.env.env_error_kinds))
+  if config.env.tool_costs:
+    env = envs.ToolCost(env, dict(config.env.tool_costs))
+  if config.env.loop_k:
+    env = envs.LoopDetector(env, config.env.loop_k)
+  return env
+
+
+def check_process_split(config, eval_size: int, process_count: int | None = None):
+  """Multi-host runs split each update's tasks, and the `eval_size` evaluation tasks, evenly
+  over the processes: raises a ValueError naming the field when they cannot be."""
+  count = jax.process_count() if process_count is None else process_count
+  for field, n in (("rollout.num_tasks", config.rollout.num_tasks), ("eval.num_tasks", eval_size)):
+    if n % count:
+      raise ValueError(
+          f"config.{field}={n} cannot be split evenly over {count} JAX processes (each collects "
+          f"an equal share of the tasks); use a multiple of {count}, e.g. "
+          f"--config.{field}={-(-n // count) * count}.")
+
+
+@functools.partial(jax.jit, static_argnames=("config", "temperature", "chunk_size", "with_entropy"))
+def _logprobs(params, batch, *, config, temperature, chunk_size=4096, with_entropy=False):
+  return episode_logprobs(params, config, batch, temperature=temperature, chunk_size=chunk_size,
+                          return_entropy=with_entropy)
+
+
+_critic_values = jax.jit(critic_values, static_argnames=("config",))
+
+
+def _policy(config, env) -> tuple[ModelConfig, Any, Any]:
+  """`(model config, parameters, codec)`: a checkpoint's, or a fresh tiny decoder over the codec's
+  own tokenizer."""
+  if config.model.checkpoint:
+    model_config, params, tokenizer = checkpoint_lib.load(config.model.checkpoint)
+    return model_config, params, env.codec(tokenizer, config.env.style)
+  codec = env.codec(None, config.env.style)
+  m = config.model
+  model_config = dataclasses.replace(
+      tiny_config(), vocab_size=len(codec.tokenizer), hidden_size=m.hidden_size,
+      num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
+      num_key_value_heads=m.num_key_value_heads, intermediate_size=m.intermediate_size,
+      head_dim=m.hidden_size // m.num_attention_heads, dtype=m.dtype)
+  return model_config, init_params(model_config, key(config.seed, 1)), codec
+
+
+def _task_suites(config, env) -> tuple[Any, dict]:
+  """`(train tasks, {"test": ..., "ood": ...})`, generated on first use (by process 0 alone in a
+  multi-host run, while the others wait)."""
+  sizes = {"train": config.tasks.train_size, "test": config.tasks.test_size,
+           "ood": config.tasks.ood_size}
+  data_dir = config.tasks.data_dir or None
+  if jax.process_count() > 1:
+    if jax.process_index() == 0:
+      task_suites.build(config.env.name, dict(config.env.params), config.tasks.seed, sizes,
+                        data_dir)
+    multihost_utils.sync_global_devices("longhorizon.setup.task_suites")
+  load = functools.partial(task_suites.load, config.env.name, env_params=dict(config.env.params),
+                           seed=config.tasks.seed, sizes=sizes, data_dir=data_dir)
+  return load("train"), {split: load(split) for split in ("test", "ood")}
+
+
+def _mesh_rules(config) -> tuple:
+  return tuple((name, tuple(axes) if isinstance(axes, (list, tuple)) else axes)
+               for name, axes in config.mesh.rules.items())
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Learner:
+  """Everything a run builds from its config (no mutable training state); see the module doc."""
+  config: Any  # the validated ConfigDict (read by the drivers: eval, sft, curriculum, alarms)
+  env: envs.Environment
+  codec: Any
+  model_config: ModelConfig
+  init_params: Any
+  train_tasks: Any
+  eval_tasks: dict
+  mesh: Any  # jax.sharding.Mesh when config.mesh has more than one device, else None
+  rollout: RolloutOptions
+  reward: RewardConfig
+  algorithm: AlgorithmOptions
+  loss: LossOptions  # its `agg` resolved ("" -> the algorithm's default)
+  optim: OptimOptions
+  optimizer: Any
+  critic_optimizer: Any  # None unless the algorithm needs a critic
+  # The jitted update(s), built on first use; never shared with a copy (`dataclasses.replace` or
+  # `with_config` may change what they close over).
+  _jitted: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
+
+  # ------------------------------------------------------------------------------ construction
+  @classmethod
+  def build(cls, config) -> "Learner":
+    """The learner of a validated config: environment, codec, tasks, policy, mesh, options."""
+    config_lib.validate(config)
+    env = make_env(config)
+    model_config, params, codec = _policy(config, env)
+    train_tasks, eval_tasks = _task_suites(config, env)
+    source = eval_tasks.get(config.eval.split, train_tasks)
+    check_process_split(config, min(config.eval.num_tasks, len(source)))
+    mesh = None
+    if config.mesh.data * config.mesh.fsdp * config.mesh.tensor > 1:
+      # Parameters (and so optimiser state) are placed by the config's logical-axis rules: fsdp
+      # shards the model width, tensor the heads / MLP / vocabulary. Each process's own devices: in
+      # a multi-host run the parameters are replicated across hosts.
+      mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor,
+                                devices=jax.local_devices())
+      params = sharding.shard_params(params, Transformer(model_config),
+                                     jnp.zeros((1, 1), jnp.int32), mesh, _mesh_rules(config))
+    return cls.from_parts(config, env=env, codec=codec, model_config=model_config,
+                          init_params=params, train_tasks=train_tasks, eval_tasks=eval_tasks,
+                          mesh=mesh)
+
+  @classmethod
+  def from_parts(cls, config, **parts) -> "Learner":
+    """A learner of `config` over already-built parts (environment, codec, model, tasks, mesh):
+    the typed options and optimisers are built here, from the config."""
+    algorithm = AlgorithmOptions.from_config(config)
+    loss = LossOptions.from_config(config)
+    loss = dataclasses.replace(loss, agg=loss.agg or algorithm.spec.default_agg)
+    optim = OptimOptions.from_config(config)
+    total = max(config.num_updates * optim.epochs * optim.minibatches, 1)
+    optimizer = make_optimizer(optim.learning_rate, warmup_steps=optim.warmup_steps,
+                               total_steps=total, schedule=optim.schedule,
+                               max_grad_norm=optim.max_grad_norm,
+                               weight_decay=optim.weight_decay, b1=optim.b1, b2=optim.b2)
+    critic_optimizer = None
+    if algorithm.spec.needs_critic:
+      critic_optimizer = make_optimizer(optim.critic_learning_rate,
+                                        max_grad_norm=optim.max_grad_norm)
+    return cls(config=config, rollout=RolloutOptions.from_config(config),
+               reward=RewardConfig(**config.reward), algorithm=algorithm, loss=loss, optim=optim,
+               optimizer=optimizer, critic_optimizer=critic_optimizer, **parts)
+
+  def with_config(self, config, **parts) -> "Learner":
+    """This learner's environment, codec, tasks, model and mesh under another config (e.g. another
+    algorithm): new options, optimisers and jitted update. `parts` replace parts (`init_params`)."""
+    keep = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+            if f.name in ("env", "codec", "model_config", "init_params", "train_tasks",
+                          "eval_tasks", "mesh")}
+    return Learner.from_parts(config_lib.validate(config), **{**keep, **parts})
+
+  def in_mesh(self):
+    """A context with the run's mesh and logical-axis rules active (a no-op on one device)."""
+    if self.mesh is None:
+      return contextlib.nullcontext()
+    return sharding.mesh_context(self.mesh, _mesh_rules(self.config))
+
+  def initial_state(self) -> TrainState:
+    critic_params = critic_opt = None
+    if self.critic_optimizer is not None:
+      critic_params = Critic(self.model_config).init(
+          key(self.config.seed, 2), jnp.zeros((1, 1), jnp.int32))["params"]
+      critic_params = nn.meta.unbox(critic_params)
+      critic_opt = self.critic_optimizer.init(critic_params)
+    return TrainState(params=self.init_params, opt_state=self.optimizer.init(self.init_params),
+                      critic_params=critic_params, critic_opt_state=critic_opt,
+                      step=jnp.zeros((), jnp.int32), policy_version=jnp.zeros((), jnp.int32),
+                      rng=key(self.config.seed, 3), skipped=jnp.zeros((), jnp.int32))
+
+  def with_reference(self, state: TrainState) -> TrainState:
+    """Freezes a copy of the current (warm-start) policy as the KL reference when the KL is on."""
+    if self.loss.kl_coef > 0:
+      return state.replace(ref_params=jax.tree.map(jnp.copy, state.params))
+    return state
+
+  # ---------------------------------------------------------------------------------- episodes
+  def tasks_at(self, start: int, count: int):
+    n = len(self.train_tasks)
+    return task_suites.stack(self.train_tasks, [(start + i) % n for i in range(count)])
+
+  def collect_batch(self, params, update: int, data_position: int, timer: Timer,
+                    task_indices=None, *, policy_version: int | None = None, on_env_step=None):
+    """The rollout half of RL update `update`: `(EpisodeBatch, RolloutStats)` sampled with
+    `params`. Tasks are the next `num_tasks` train tasks from `data_position`, or `task_indices`
+    (curriculum). In a multi-host run each process collects its share and all get the whole batch.
+    Environment keys, sampling seed and group labels derive from `update`; `policy_version`
+    (default `update`) is recorded on every episode; `on_env_step` goes to `rollout.collect`."""
+    c, n = self.config, self.rollout.num_tasks
+    if task_indices is None:
+      tasks = self.tasks_at(data_position, n)
+    else:
+      tasks = task_suites.stack(self.train_tasks, task_indices)
+    extra = {} if on_env_step is None else {"on_env_step": on_env_step}
+    with timer("rollout"):
+      return rollout.collect_across_processes(
+          params, self.model_config, self.env, self.codec, tasks,
+          jax.random.split(key(c.seed, 5, update), n),
+          self.rollout.collect_config(c.env.max_steps), sampling_seed=c.seed * 1_000_003 + update,
+          reward=self.reward, policy_version=update if policy_version is None else policy_version,
+          task_seed=c.tasks.seed, group_offset=update * n, **extra)
+
+  def logprobs(self, params, batch, *, temperature: float | None = None):
+    """`[B, L]` token log-probs of `batch` under `params` (at the rollout temperature)."""
+    t = self.rollout.temperature if temperature is None else temperature
+    return _logprobs(params, batch, config=self.model_config, temperature=t,
+                     chunk_size=self.loss.chunk_size)
+
+  # ---------------------------------------------------------------------------------- learning
+  def learn(self, state: TrainState, batch, stats, timer: Timer, row_scale=None):
+    """The learning half of an RL update on `batch` (from `collect_batch`): the proximal,
+    reference and critic passes, the advantages and the jitted update. Returns `(state,
+    metrics)`; `state` is donated. `row_scale` (`[B]`, optional) multiplies the row weights: the
+    async learner's staleness filter (0 drops an episode, < 1 down-weights it)."""
+    with timer("update"):
+      db = to_device(batch)
+      if self.mesh is not None:  # data-parallel inputs: rows split over (data, fsdp)
+        db = sharding.shard_batch(db, self.mesh, _mesh_rules(self.config))
+      inputs = self.learn_inputs(state, db, row_scale)
+      state, m = self.update(state, db, inputs)
+      m = jax.device_get(m)
+    metrics = {k: float(np.asarray(v)) for k, v in m.items()}
+    metrics.update(episode_metrics(batch, inputs.row_weight))
+    metrics["_task_success"] = np.asarray(batch.success).reshape(self.rollout.num_tasks, -1).mean(-1)
+    metrics.update({k: float(v) for k, v in stats.as_dict().items()})
+    return state, metrics
+
+  def step(self, state: TrainState, update: int, data_position: int, timer: Timer, hook=None,
+           task_indices=None):
+    """One synchronous RL update: `collect_batch` with the current parameters, then `learn`."""
+    batch, stats = self.collect_batch(state.params, update, data_position, timer, task_indices)
+    if hook is not None:
+      hook("update", update)
+    return self.learn(state, batch, stats, timer)
+
+  def learn_inputs(self, state: TrainState, db, row_scale=None) -> LearnInputs:
+    """The update's inputs for the device batch `db`: the loss's anchor log-probs (the proximal
+    policy's, `state.params` before the update, or the behaviour ones), critic values, advantages
+    with their row weights, and the KL reference's log-probs."""
+    old_logp = db.behavior_logprobs
+    if self.loss.spec.anchor == "proximal":
+      old_logp = self.logprobs(state.params, db)
+    values = None
+    if self.critic_optimizer is not None:
+      values = _critic_values(state.critic_params, self.model_config, db)
+    adv = compute_advantages(db, values, self.algorithm)
+    row_weight = adv.row_weight
+    if row_scale is not None:
+      row_weight = row_weight * jnp.asarray(row_scale, row_weight.dtype)
+    ref_logp = None if state.ref_params is None else self.logprobs(state.ref_params, db)
+    return LearnInputs(adv.advantages, adv.returns, row_weight, old_logp, ref_logp, values)
+
+  def update(self, state: TrainState, db, inputs: LearnInputs):
+    """The jitted update on the device batch `db` with its `inputs` (`learn_inputs`): `(state,
+    metrics)`, `state` donated."""
+    return self.update_fn(state, db, inputs)(state, db, inputs)
+
+  def update_fn(self, state, db, inputs):
+    """The jitted update function for these arguments' layout (one per learner; on a mesh, one per
+    input layout, which it takes as its explicit in/out shardings)."""
+    layout = None
+    if self.mesh is not None:
+      replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+      layout = (*(jax.tree.map(lambda x: x.sharding, t) for t in (state, db, inputs)), replicated)
+    cache_key = None if layout is None else (jax.tree.structure(layout), *jax.tree.leaves(layout))
+    if cache_key not in self._jitted:
+      self._jitted[cache_key] = jit_rl_update(
+          config=self.model_config, optimizer=self.optimizer,
+          critic_optimizer=self.critic_optimizer, loss=self.loss,
+          temperature=self.rollout.temperature, epochs=self.optim.epochs,
+          minibatches=self.optim.minibatches, shardings=layout)
+    return self._jitted[cache_key]
+
+  # ---------------------------------------------------------------------- warm start, evaluation
+  def warm_start(self, state: TrainState) -> tuple[TrainState, dict]:
+    """SFT on oracle episodes of train tasks (the same masks as RL), from `state`'s parameters."""
+    c = self.config
+    if not c.sft.steps:
+      return state, {}
+    n = c.sft.episodes
+    batch, _ = rollout.collect(
+        None, None, self.env, self.codec, self.tasks_at(0, n),
+        jax.random.split(key(c.seed, 4), n),
+        self.rollout.collect_config(c.env.max_steps, group_size=1), sampling_seed=0,
+        scripted=rollout.oracle_turns(self.env, self.codec, c.sft.demo_epsilon, seed=c.seed))
+    if not c.sft.demo_epsilon and not batch.success.all():
+      logging.warning("oracle SFT episodes: only %.2f succeed (context budget or step limit too "
+                      "small?)", float(batch.success.mean()))
+    batch = to_device(batch)
+    sft_opt = make_optimizer(c.sft.learning_rate, max_grad_norm=self.optim.max_grad_norm)
+    sft_state = state.replace(opt_state=sft_opt.init(state.params))
+    metrics = {}
+    for _ in range(c.sft.steps):
+      sft_state, metrics = sft_update(sft_state, batch, config=self.model_config,
+                                      optimizer=sft_opt, minibatches=c.sft.minibatches)
+      # One step in flight: on a multi-device mesh the CPU client deadlocks once a device has 32
+      # queued computations with collectives (BUILD_NOTES.md, issue 15, "sharded SFT deadlock").
+      jax.block_until_ready(sft_state)
+    metrics = {k: float(v) for k, v in metrics.items()}
+    # `sft_update` donated `sft_state` (and the buffers it shared with `state`): continue from it.
+    return sft_state.replace(opt_state=self.optimizer.init(sft_state.params)), metrics
+
+  def evaluate(self, params, split: str, num_tasks: int, *, temperature: float, seed: int,
+               group_size: int = 1) -> dict:
+    """Success rate (and episode stats) of `params` on the first `num_tasks` tasks of `split`."""
+    source = self.eval_tasks.get(split, self.train_tasks)
+    n = min(num_tasks, len(source))
+    batch, _ = rollout.collect_across_processes(
+        params, self.model_config, self.env, self.codec, task_suites.stack(source, range(n)),
+        jax.random.split(key(seed, 7), n),
+        self.rollout.collect_config(self.config.env.max_steps, group_size=group_size,
+                                    temperature=temperature),
+        sampling_seed=seed, reward=self.reward)
+    return {"success_rate": float(np.mean(batch.success)),
+            "mean_steps": float(np.mean(batch.num_steps)),
+            "truncation_rate": float(np.mean(batch.truncated)),
+            "env_error_rate": float(np.mean(np.asarray(batch.env_error).any(-1)))}
+
+
+def episode_metrics(batch, row_weight) -> dict:
+  """Success, reward components, lengths, termination kinds and the zero-advantage group rate."""
+  steps = np.asarray(batch.num_steps)
+  out = {"success_rate": float(np.mean(batch.success)), "score": float(np.mean(batch.score)),
+         "episode_steps": float(steps.mean()), "tool_calls": float(steps.mean()),
+         "episode_tokens": float(np.asarray(batch.attention_mask).sum(-1).mean()),
+         "sampled_tokens_per_episode": float(np.asarray(batch.loss_mask).sum(-1).mean()),
+         "env_error_rate": float(np.mean(np.asarray(batch.env_error).any(-1))),
+         "truncation_rate": float(np.mean(batch.truncated)),
+         "violation_rate": float(np.mean(np.asarray(batch.violation).any(-1))),
+         "trained_fraction": float(np.mean(np.asarray(row_weight) > 0))}
+  kinds = np.asarray(batch.termination)
+  for kind in Termination:
+    if kind != Termination.RUNNING:
+      out[f"termination/{kind.name.lower()}"] = float(np.mean(kinds == kind))
+  for name, value in batch.reward_components.items():
+    out[name] = float(np.mean(value))
+  groups, scores = np.asarray(batch.group), np.asarray(batch.score)
+  flat = [np.ptp(scores[groups == g]) == 0 for g in np.unique(groups)]
+  out["zero_advantage_group_rate"] = float(np.mean(flat))
+  return out

@@ -1,0 +1,196 @@
+"""Typed options: frozen dataclasses built from one config section each, that validate themselves.
+
+    AlgorithmOptions.from_config(config)   # == AlgorithmOptions(**config.algorithm), checked
+
+A section and its dataclass have the same fields (`from_config` refuses a field the other lacks), so
+every option is reachable from a config file and from `--config.<section>.<field>=...`, and each has
+one default: the dataclass's (configs/default.py writes the same values out for readers; a test
+checks they agree). A field declares its valid values with `option(default, range=..., choices=...)`;
+`choices` may be a function returning a registry's names, so the allowed names come from the
+registries, never from a copied list. A bad value raises `ConfigError` naming
+`config.<section>.<field>`, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, ClassVar, Sequence
+
+import ml_collections
+
+from longhorizon.rollout import RolloutConfig
+
+__all__ = ["ConfigError", "Range", "Options", "RolloutOptions", "OptimOptions", "option", "fail",
+           "as_config", "section_ranges", "COUNT",
+           "NON_NEGATIVE_INT", "NON_NEGATIVE", "POSITIVE", "PROBABILITY", "DISCOUNT"]
+
+
+class ConfigError(ValueError):
+  """A config field has a value that is not allowed (the message names the field and the range)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+  """The valid values of one numeric config field: an int or a finite real in an interval."""
+  kind: type  # int or float (an int is accepted where a float is expected; bools never)
+  low: float = -math.inf
+  high: float = math.inf
+  low_open: bool = False  # the interval excludes `low`
+  high_open: bool = False  # the interval excludes `high`
+  note: str = ""  # what special values mean, e.g. "0 = off"
+
+  def holds(self, value) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      return False
+    if self.kind is int and not isinstance(value, int):
+      return False
+    if not math.isfinite(value):
+      return False
+    above = value > self.low if self.low_open else value >= self.low
+    below = value < self.high if self.high_open else value <= self.high
+    return above and below
+
+  def describe(self) -> str:
+    what = "an integer" if self.kind is int else "a number"
+    if self.high == math.inf:
+      text = f"{what} {'>' if self.low_open else '>='} {self.low:g}"
+    elif self.low == -math.inf:
+      text = f"{what} {'<' if self.high_open else '<='} {self.high:g}"
+    else:
+      text = (f"{what} in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}"
+              f"{')' if self.high_open else ']'}")
+    return f"{text} ({self.note})" if self.note else text
+
+
+COUNT = Range(int, 1)
+NON_NEGATIVE_INT = Range(int, 0)
+NON_NEGATIVE = Range(float, 0)
+POSITIVE = Range(float, 0, low_open=True)
+PROBABILITY = Range(float, 0, 1)
+DISCOUNT = Range(float, 0, 1, note="a discount or GAE lambda")
+
+
+def option(default, *, range: Range | None = None,  # pylint: disable=redefined-builtin
+           choices: Sequence[str] | Callable[[], Sequence[str]] | None = None):
+  """A dataclass field of an `Options` class with its valid values (a numeric `range`, or
+  `choices`: a tuple, or a function returning a registry's names)."""
+  return dataclasses.field(default=default, metadata={"range": range, "choices": choices})
+
+
+def fail(path: str, value, allowed: str):
+  raise ConfigError(f"config.{path}={value!r} is not allowed; expected {allowed}.")
+
+
+def _choices(field: dataclasses.Field) -> tuple | None:
+  choices = field.metadata.get("choices")
+  return tuple(choices() if callable(choices) else choices) if choices is not None else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """Base of the typed option classes (`SECTION` names their config section)."""
+  SECTION: ClassVar[str] = ""
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value, path = getattr(self, field.name), f"{self.SECTION}.{field.name}"
+      valid, choices = field.metadata.get("range"), _choices(field)
+      if valid is not None and not valid.holds(value):
+        fail(path, value, valid.describe())
+      elif choices is not None and value not in choices:
+        fail(path, value, f"one of {list(choices)}")
+      elif isinstance(field.default, bool) and not isinstance(value, bool):
+        fail(path, value, "True or False")
+      elif isinstance(field.default, str) and not isinstance(value, str):
+        fail(path, value, "a string")
+    self.check()
+
+  def check(self):
+    """Rules between this section's fields (subclasses override; raise with `fail`)."""
+
+  @classmethod
+  def from_config(cls, config) -> "Options":
+    """The options of `config.<SECTION>`; its fields must be exactly this class's."""
+    section = config[cls.SECTION]
+    names = {f.name for f in dataclasses.fields(cls)}
+    extra, missing = sorted(set(section.keys()) - names), sorted(names - set(section.keys()))
+    if extra or missing:
+      raise ConfigError(
+          f"config.{cls.SECTION} does not match {cls.__name__}: "
+          + "; ".join(filter(None, [extra and f"unknown field(s) {extra}",
+                                    missing and f"missing field(s) {missing}"])) + ".")
+    return cls(**{name: _plain(section[name]) for name in names})
+
+
+def _plain(value) -> Any:
+  return tuple(value) if isinstance(value, list) else value
+
+
+def section_ranges(cls: type[Options]) -> dict[str, Range]:
+  """`{"<section>.<field>": Range}` of the numeric fields of an `Options` class."""
+  return {f"{cls.SECTION}.{f.name}": f.metadata["range"] for f in dataclasses.fields(cls)
+          if f.metadata.get("range") is not None}
+
+
+def as_config(cls: type, **overrides) -> "ml_collections.ConfigDict":
+  """A config section with the fields and defaults of the options dataclass `cls` (the one place
+  the defaults are written), `overrides` applied."""
+  values = {f.name: f.default for f in dataclasses.fields(cls)}
+  unknown = sorted(set(overrides) - set(values))
+  if unknown:
+    raise ValueError(f"{cls.__name__} has no field(s) {unknown}.")
+  values.update(overrides)
+  return ml_collections.ConfigDict(values)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutOptions(Options):
+  """How a run samples its training episodes (`config.rollout`); `collect_config` gives the
+  per-call `rollout.RolloutConfig`."""
+  SECTION = "rollout"
+  mode: str = option("sync", choices=("sync", "async"))  # async: actor threads (train/async_rollout.py)
+  num_tasks: int = option(16, range=COUNT)  # tasks per update
+  group_size: int = option(8, range=COUNT)  # rollouts per task (GRPO/RLOO/GiGPO groups)
+  context_length: int = option(160, range=COUNT)  # token budget per episode
+  turn_tokens: int = option(6, range=COUNT)  # per-turn sampling budget
+  temperature: float = option(1.0, range=Range(
+      float, 0, low_open=True, note="RL samples; use eval greedy for temperature 0"))
+  top_k: int = option(0, range=Range(int, 0, note="0 = off"))
+  top_p: float = option(1.0, range=Range(float, 0, 1, low_open=True))
+  # Asynchronous rollouts (ignored by sync). An actor starts a batch only if it will be at most
+  # max_staleness policy versions old when the learner takes it (0: exactly the sync run);
+  # episodes that still arrive older are dropped or down-weighted by
+  # stale_weight ** (lag - max_staleness).
+  max_staleness: int = option(1, range=NON_NEGATIVE_INT)  # in policy versions (updates)
+  num_actors: int = option(1, range=COUNT)  # actor threads (overlap tool latency; share the device)
+  queue_size: int = option(2, range=COUNT)  # finished batches waiting for the learner
+  stale_policy: str = option("drop", choices=("drop", "downweight"))
+  stale_weight: float = option(0.5, range=Range(
+      float, 0, 1, low_open=True, note="per version past rollout.max_staleness, for "
+                                       "rollout.stale_policy='downweight'"))
+
+  def collect_config(self, max_steps: int, *, group_size: int | None = None,
+                     temperature: float | None = None) -> RolloutConfig:
+    return RolloutConfig(group_size=group_size or self.group_size,
+                         context_length=self.context_length, max_steps=max_steps,
+                         turn_tokens=self.turn_tokens,
+                         temperature=self.temperature if temperature is None else temperature,
+                         top_k=self.top_k, top_p=self.top_p)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimOptions(Options):
+  """The RL phase's optimiser and update schedule (`config.optim`)."""
+  SECTION = "optim"
+  learning_rate: float = option(3e-4, range=POSITIVE)
+  critic_learning_rate: float = option(1e-3, range=POSITIVE)
+  schedule: str = option("constant", choices=("constant", "cosine", "linear"))
+  warmup_steps: int = option(0, range=NON_NEGATIVE_INT)
+  max_grad_norm: float = option(1.0, range=Range(
+      float, 0, note="0 = no clipping; a negative norm would turn the clip scale negative"))
+  weight_decay: float = option(0.0, range=NON_NEGATIVE)
+  b1: float = option(0.9, range=Range(float, 0, 1, high_open=True))  # Adam moments' decay
+  b2: float = option(0.999, range=Range(float, 0, 1, high_open=True))
+  epochs: int = option(2, range=COUNT)  # passes over each batch
+  minibatches: int = option(2, range=COUNT)  # optimiser steps per pass
