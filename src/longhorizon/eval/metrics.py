@@ -335,26 +335,39 @@ def report(records: Mapping[str, Any], *, k_max: int, milestone_names: Sequence[
     raise ValueError(f"k_max must be a positive int, got {k_max!r}.")
   milestone_names = list(milestone_names)
   r = _check_records(records, milestone_names)
-  success, num_episodes = r["success"], r["success"].size
-
+  success = r["success"]
   _, task_index, attempts = np.unique(r["task"], return_inverse=True, return_counts=True)
   num_correct = np.bincount(task_index, weights=success, minlength=attempts.size).astype(np.int64)
-  min_attempts = int(attempts.min())
-  ks = range(1, min(int(k_max), min_attempts) + 1)
+  ks = range(1, min(int(k_max), int(attempts.min())) + 1)
+  out = {
+      **_success_entry(success, confidence),
+      "success_rate_excluding_env_errors": _mean_or_none(success, ~r["env_error"]),
+      "pass_at_k": {str(k): pass_at_k(attempts, num_correct, k) for k in ks},
+      "pass_hat_k": {str(k): pass_hat_k(attempts, num_correct, k) for k in ks},
+      **_rate_entries(r, milestone_names),
+      **{name: {"success": _mean_or_none(r[key], success), "failure": _mean_or_none(r[key], ~success)}
+         for name, key in (("steps", "num_steps"), ("tokens", "tokens"),
+                           ("tool_calls", "tool_calls"))},
+      "num_episodes": int(success.size),
+      "num_tasks": int(attempts.size),
+      "attempts_per_task": int(attempts.min()),
+  }
+  if "bucket" in r:
+    out.update(_bucket_entries(r, bucket_name, confidence))
+  return out
 
-  ok = ~r["env_error"]
+
+def _rate_entries(r: Mapping[str, np.ndarray], milestone_names: Sequence[str]) -> dict:
+  """`report`'s per-episode rates, from `milestone_success` to `attack_success_rate`, in its order;
+  `r` is `_check_records`' output."""
+  success = r["success"]
   num_successes = int(success.sum())
   milestone_bits = (r["milestones"][:, None] >> np.arange(len(milestone_names))) & 1  # [E, M]
   attack_success_rate = None
   if "attacked" in r:
     attack_success_rate = _mean_or_none(r["attack_success"], r["attacked"])
   collateral = r.get("collateral_damage")
-
-  out = {
-      **_success_entry(success, confidence),
-      "success_rate_excluding_env_errors": _mean_or_none(success, ok),
-      "pass_at_k": {str(k): pass_at_k(attempts, num_correct, k) for k in ks},
-      "pass_hat_k": {str(k): pass_hat_k(attempts, num_correct, k) for k in ks},
+  return {
       "milestone_success": {name: float(bits) for name, bits in
                             zip(milestone_names, milestone_bits.mean(0))},
       "cost_per_success": float(r["cost"].sum()) / num_successes if num_successes else None,
@@ -366,22 +379,20 @@ def report(records: Mapping[str, Any], *, k_max: int, milestone_names: Sequence[
       "loop_rate": float(r["loop"].mean()),
       "truncation_rate": float(r["truncated"].mean()),
       "attack_success_rate": attack_success_rate,
-      **{name: {"success": _mean_or_none(r[key], success), "failure": _mean_or_none(r[key], ~success)}
-         for name, key in (("steps", "num_steps"), ("tokens", "tokens"),
-                           ("tool_calls", "tool_calls"))},
-      "num_episodes": int(num_episodes),
-      "num_tasks": int(attempts.size),
-      "attempts_per_task": min_attempts,
   }
-  if "bucket" in r:
-    buckets, bucket_index = np.unique(r["bucket"], return_inverse=True)
-    out["bucket_name"] = str(bucket_name)
-    out["by_bucket"] = {
-        str(int(b)): {**_success_entry(success[bucket_index == i], confidence),
-                      "num_episodes": int(np.sum(bucket_index == i)),
-                      "mean_steps": float(r["num_steps"][bucket_index == i].mean())}
-        for i, b in enumerate(buckets)}
-  return out
+
+
+def _bucket_entries(r: Mapping[str, np.ndarray], bucket_name: str, confidence: float) -> dict:
+  """`report`'s `bucket_name` and `by_bucket` entries (`r` holds `bucket`)."""
+  buckets, bucket_index = np.unique(r["bucket"], return_inverse=True)
+  return {
+      "bucket_name": str(bucket_name),
+      "by_bucket": {
+          str(int(b)): {**_success_entry(r["success"][bucket_index == i], confidence),
+                        "num_episodes": int(np.sum(bucket_index == i)),
+                        "mean_steps": float(r["num_steps"][bucket_index == i].mean())}
+          for i, b in enumerate(buckets)},
+  }
 
 
 # ----------------------------------------------------------------------------------------------------
