@@ -23,12 +23,13 @@ __all__ = ["RewardConfig", "compose_rewards"]
 
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
+  """The weights of `compose_rewards`; a hash of their values is recorded as `reward_version`
+  (`rollout.reward_version`)."""
   success: float = 1.0  # reward for a verified success (on the last step)
   milestone: float = 0.0  # per milestone reached for the first time
   cost: float = 0.0  # weight of the environment's step cost (subtracted)
   invalid: float = 0.0  # penalty per malformed or rejected action
   violation: float = -1.0  # the whole episode's reward when a safety gate is hit (<= 0)
-  version: int = 1  # recorded as reward_version on every episode
 
   def __post_init__(self):
     if self.violation > 0:
@@ -37,16 +38,13 @@ class RewardConfig:
 
 
 def compose_rewards(config: RewardConfig, *, step_mask, milestones, cost, violation, invalid,
-                    success, num_milestones: int, env_rewards=None) -> dict:
+                    success, num_milestones: int) -> dict:
   """`{"step_rewards": [B, S], "score": [B], "reward/<component>": [B] ...}` (NumPy).
 
   Args:
     step_mask: `[B, S]` steps that happened. milestones: `[B, S]` int bitmask of first-time
     milestones. cost: `[B, S]`. violation, invalid: `[B, S]` bool. success: `[B]` bool.
-    env_rewards: unused by the composition (the environment's own scalarisation); accepted so the
-      caller can pass everything it has.
   """
-  del env_rewards
   step_mask = np.asarray(step_mask, bool)
   b, s = step_mask.shape
   bits = (np.asarray(milestones, np.int64)[..., None] >> np.arange(max(num_milestones, 1))) & 1
