@@ -39,8 +39,8 @@ from absl import flags
 from absl import logging
 import ml_collections
 
-from longhorizon import logs
 from longhorizon import envs, rollout
+from longhorizon.cli import logs
 from longhorizon.envs import tasks as task_suites
 from longhorizon.eval import metrics as metrics_lib
 from longhorizon.eval import runner

@@ -27,10 +27,10 @@ from absl import logging
 import jax
 import numpy as np
 
-from longhorizon import logs
 from longhorizon import models
 from longhorizon.models import checkpoint
 from longhorizon import sampling
+from longhorizon.cli import logs
 from longhorizon.text import render_chat
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Checkpoint path (HF folder or .gguf) or alias "

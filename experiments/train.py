@@ -20,7 +20,7 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
-from longhorizon import logs
+from longhorizon.cli import logs
 from longhorizon.envs import tasks as task_suites
 from longhorizon.train import config as config_lib
 from longhorizon.train import loop

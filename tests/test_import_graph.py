@@ -12,7 +12,10 @@ Layering (the separation DESIGN.md's "Layout" section fixes):
   - `core` (math) imports nothing from `models`, `envs`, `rollout`, `train`, `sampling`;
   - `text` (tokenizers, chat templates, tool calls) imports nothing from `models`, `envs`, `train`,
     `rollout`, `sampling`;
-  - `envs` imports nothing from `models`.
+  - `envs` imports nothing from `models`;
+  - `cli` (what the entry points share) may import any layer, and only the entry points
+    (`experiments/*.py`) import it: no module of the package outside `cli` does;
+  - no module at the package root but `__init__.py`: every module belongs to a layer.
 
 Function-local imports (shared/STYLE.md rule 14) only for an optional dependency (not in
 `install_requires`) or to break a cycle listed in `ALLOWED_CYCLE_EDGES`: each names a dependency of
@@ -34,6 +37,9 @@ FORBIDDEN = {
     "text": ("models", "envs", "train", "rollout", "sampling"),
     "envs": ("models",),
 }
+
+# Layers only the entry points import (they may import any layer themselves).
+ENTRY_POINT_LAYERS = ("cli",)
 
 # Edges left out of the cycle check, each with the reason (`test_allowed_edges_still_exist` fails
 # once an edge is gone, so the list cannot go stale). None: the async pipeline's cycle with the loop
@@ -279,6 +285,23 @@ def test_layering(importer):
                if layer(target) in FORBIDDEN[importer])
   assert not bad, (f"`{importer}` must not import from {FORBIDDEN[importer]} (shared/DESIGN.md, "
                    f"Layout): {bad}")
+
+
+def test_entry_point_layers_are_imported_by_no_library_module():
+  assert layer("longhorizon.cli.logs") == "cli"
+  bad = sorted(f"{source} -> {target}" for source, targets in import_graph().items()
+               if layer(source) not in ENTRY_POINT_LAYERS for target in targets
+               if layer(target) in ENTRY_POINT_LAYERS)
+  assert not bad, (f"{ENTRY_POINT_LAYERS} are for the entry points (experiments/*.py) only; library "
+                   f"modules must not import them: {bad}")
+
+
+def test_no_module_at_the_package_root():
+  root = sorted(p.name for p in (SRC / PACKAGE).glob("*.py"))
+  assert root == ["__init__.py"], (
+      f"modules at the root of {PACKAGE}: {[n for n in root if n != '__init__.py']}; move each into "
+      f"the subpackage (layer) it belongs to (shared/DESIGN.md, Layout), e.g. "
+      f"{PACKAGE}.cli for what the entry points share")
 
 
 def test_allowed_edges_still_exist():

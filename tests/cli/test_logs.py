@@ -1,18 +1,18 @@
-"""longhorizon.logs.setup, in fresh absl processes as the entry points run it: every record printed
-once; orbax's and tensorflow_datasets' records dropped; after a failed orbax restore the real error
-ends the output, with no `Event loop is closed` tracebacks."""
+"""longhorizon.cli.logs.setup, in fresh absl processes as the entry points run it: every record
+printed once; orbax's and tensorflow_datasets' records dropped; after a failed orbax restore the real
+error ends the output, with no `Event loop is closed` tracebacks."""
 
 import os
 import pathlib
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).parents[1]
+ROOT = pathlib.Path(__file__).parents[2]
 
 _ONCE = r'''
 import logging
 from absl import app
-from longhorizon import logs
+from longhorizon.cli import logs
 
 
 def main(argv):
@@ -44,7 +44,7 @@ import pathlib
 from absl import app
 import numpy as np
 
-from longhorizon import logs
+from longhorizon.cli import logs
 from longhorizon.train.checkpoints import Checkpointer
 
 
