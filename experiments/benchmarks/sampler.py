@@ -30,8 +30,8 @@ called once to compile, then timed `--repeats` times ending in `jax.block_until_
   measured before anything else is compiled.
 
 The decode step's attention runs the CPU kernel `models.cpu_kernels.decode_attention` (reads each
-row's filled cache prefix only) when it builds; `LONGHORIZON_CPU_KERNELS=0` measures the XLA path
-instead. The header line says which ran.
+row's filled cache prefix only) when it builds (`--decode_kernel=auto`, `ModelConfig.decode_kernel`);
+`--decode_kernel=xla` measures the XLA path instead. The header line says which ran.
 
 Prints one table; `--out` writes the rows (and the environment) as JSON.
 """
@@ -53,7 +53,7 @@ import results_io
 from longhorizon import sampling
 from longhorizon.models import checkpoint
 from longhorizon.models import cpu_kernels
-from longhorizon.models import prepare_decode_params
+from longhorizon.models import DECODE_KERNELS, prepare_decode_params
 from longhorizon.text import render_chat
 
 _OUT = flags.DEFINE_string("out", None, "Optional JSON path for the result rows (parents created).")
@@ -69,6 +69,10 @@ _OBS_TOKENS = flags.DEFINE_integer("obs_tokens", 16, "Observation tokens appende
 _TURN_TOKENS = flags.DEFINE_integer("turn_tokens", 16, "Tokens decoded per turn.")
 _EPISODE_BATCH = flags.DEFINE_integer("episode_batch", 16, "Batch size of the episode measurement.")
 _EPISODE_REPEATS = flags.DEFINE_integer("episode_repeats", 2, "Timed runs of each episode variant.")
+_DECODE_KERNEL = flags.DEFINE_enum("decode_kernel", "auto", list(DECODE_KERNELS),
+                                   "Decode-step attention (`ModelConfig.decode_kernel`): the CPU "
+                                   "kernel where it builds ('auto'), always XLA ('xla') or always "
+                                   "the kernel ('cpu').")
 
 _PROMPT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 # DESIGN.md "Performance bars".
@@ -298,6 +302,7 @@ def main(argv):
   batch_sizes = [int(b) for b in _BATCH_SIZES.value]
   n, repeats = _NEW_TOKENS.value, _REPEATS.value
   config, params, tokenizer = checkpoint.load("smollm2")
+  config = config.replace(decode_kernel=_DECODE_KERNEL.value)
   assert config.dtype == "float32" and config.param_dtype == "float32"
   params_raw = jax.device_put(params)
   params = prepare_decode_params(params_raw, config)  # once per policy version, as a rollout does
@@ -357,8 +362,10 @@ def main(argv):
   record["episode"] = {"multi_s": multi, "single_s": single, "turns": k, "obs_tokens": obs,
                        "turn_tokens": m, "batch": eb}
 
-  attention = ("CPU kernel" if cpu_kernels.available() else
-               f"XLA ({cpu_kernels.build_error() or 'kernel switched off'})")
+  if config.decode_kernel == "xla":
+    attention = "XLA (decode_kernel='xla')"
+  else:  # "auto" on this CPU / float32 / G = 3 model: the kernel if it built; "cpu" raised otherwise
+    attention = "CPU kernel" if cpu_kernels.available() else f"XLA ({cpu_kernels.build_error()})"
   print(f"SmolLM2-135M float32, prompt {len(ids)} tokens, {n} new tokens, jax {jax.__version__}, "
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, decode attention: {attention}")
   record["attention"] = attention

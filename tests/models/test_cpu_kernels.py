@@ -1,5 +1,6 @@
 """The CPU decode-attention kernel (`models.cpu_kernels`): NumPy reference, prefix-only reads, the
-model path it replaces, and the fallback when it cannot be built."""
+model path it replaces, its choice by `ModelConfig.decode_kernel`, and the fallback when it cannot be
+built."""
 
 import os
 import pathlib
@@ -98,6 +99,12 @@ def _decode(config, params, prompts, lengths, n, seed):
   return sampling.decode(params, config, cache, logits, keys, rule)
 
 
+def _lowered_decode(config, params, prompts, lengths):
+  return sampling.decode.lower(
+      params, config, *sampling.prefill(params, config, prompts, lengths, 20), None,
+      sampling.SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=())).as_text()
+
+
 @pytest.mark.parametrize("heads, kv_heads, hidden", [(4, 2, 64), (9, 3, 576)])
 def test_decode_with_kernel_equals_the_xla_path(heads, kv_heads, hidden):
   # Same sampled tokens and log-probs, logits to float32 rounding, with ragged prompt lengths (each
@@ -109,19 +116,31 @@ def test_decode_with_kernel_equals_the_xla_path(heads, kv_heads, hidden):
   prompts = rng.integers(0, 61, (4, 8)).astype(np.int32)
   lengths = np.array([8, 1, 5, 3], np.int32)
   results = {}
-  for enabled in (True, False):
-    jax.clear_caches()  # the kernel choice is made when tracing
-    with cpu_kernels.use_cpu_kernels(enabled):
-      lowered = sampling.decode.lower(
-          params, config, *sampling.prefill(params, config, prompts, lengths, 20), None,
-          sampling.SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=()))
-      assert ("longhorizon_decode_attention" in lowered.as_text()) == enabled
-      results[enabled] = _decode(config, params, prompts, lengths, 12, seed=5)
-  jax.clear_caches()
-  on, off = results[True], results[False]
+  # No `jax.clear_caches()` between choices: the choice is a field of the static config, so the
+  # tracing cache keys on it (a stale program would show as the wrong custom-call presence).
+  for choice in ("cpu", "xla", "auto"):
+    chosen = config.replace(decode_kernel=choice)
+    uses_kernel = "longhorizon_decode_attention" in _lowered_decode(chosen, params, prompts, lengths)
+    assert uses_kernel == (choice != "xla"), choice
+    results[choice] = _decode(chosen, params, prompts, lengths, 12, seed=5)
+  on, off = results["cpu"], results["xla"]
   np.testing.assert_array_equal(np.asarray(on.tokens), np.asarray(off.tokens))
   np.testing.assert_allclose(np.asarray(on.logprobs), np.asarray(off.logprobs), atol=1e-5)
   np.testing.assert_allclose(np.asarray(on.last_logits), np.asarray(off.last_logits), atol=1e-5)
+  for field in ("tokens", "logprobs", "last_logits"):  # "auto" on CPU is the kernel, bit for bit
+    np.testing.assert_array_equal(np.asarray(getattr(results["auto"], field)),
+                                  np.asarray(getattr(on, field)))
+
+
+def test_auto_keeps_xla_where_the_kernel_does_not_apply():
+  # bfloat16 caches and more than MAX_GROUP query heads per kv head: "auto" lowers XLA's einsums.
+  rng = np.random.default_rng(0)
+  prompts, lengths = rng.integers(0, 61, (2, 8)).astype(np.int32), np.array([8, 3], np.int32)
+  for overrides in (dict(dtype="bfloat16"),
+                    dict(hidden_size=72, num_attention_heads=9, num_key_value_heads=1)):
+    config = models.tiny_config(vocab_size=61, **overrides)
+    params = models.prepare_decode_params(models.init_params(config, jax.random.key(0)), config)
+    assert "longhorizon_decode_attention" not in _lowered_decode(config, params, prompts, lengths)
 
 
 def test_unbuildable_kernel_falls_back_with_the_reason(monkeypatch, tmp_path):
@@ -130,21 +149,17 @@ def test_unbuildable_kernel_falls_back_with_the_reason(monkeypatch, tmp_path):
   monkeypatch.setenv("LONGHORIZON_KERNEL_CACHE", str(tmp_path / "cache"))
   assert not cpu_kernels.available()
   assert "no-such-compiler" in cpu_kernels.build_error()
-  # The model still decodes, on the XLA path.
+  # "auto" still decodes, on the XLA path; "cpu" refuses, naming the reason and the fix.
   config = models.tiny_config(vocab_size=31)
   params = models.init_params(config, jax.random.key(0))
   jax.clear_caches()
   out = llama.cached_forward(params, config, jnp.ones((2, 1), jnp.int32),
                              models.init_cache(config, 2, 4))
   assert np.isfinite(np.asarray(out.hidden)).all()
+  with pytest.raises(RuntimeError, match="decode_kernel='cpu'.*no-such-compiler.*'auto'"):
+    llama.cached_forward(params, config.replace(decode_kernel="cpu"), jnp.ones((2, 1), jnp.int32),
+                         models.init_cache(config, 2, 4))
   jax.clear_caches()
-
-
-def test_switched_off_by_environment(monkeypatch):
-  monkeypatch.setenv("LONGHORIZON_CPU_KERNELS", "0")
-  assert not cpu_kernels.available()
-  monkeypatch.setenv("LONGHORIZON_CPU_KERNELS", "1")
-  assert cpu_kernels.available()
 
 
 def test_loading_the_kernel_keeps_subnormal_floats():

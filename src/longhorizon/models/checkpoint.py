@@ -37,7 +37,7 @@ from safetensors.numpy import save_file
 from transformers import PreTrainedTokenizerFast
 
 from longhorizon.models import init_params
-from longhorizon.models.config import ModelConfig
+from longhorizon.models.config import MODEL_TYPE_FAMILY, ModelConfig
 from longhorizon.text.gguf_file import has_gguf_magic, open_gguf
 from longhorizon.text.tokenizer import tokenizer_from_gguf
 
@@ -423,6 +423,7 @@ def gguf_config(reader, path: PathLike = "model.gguf") -> ModelConfig:
       attention_bias="blk.0.attn_q.bias" in names,
       max_position_embeddings=int(get("context_length", 8192)),
       model_type=_GGUF_ARCHITECTURES[arch][0],
+      family=MODEL_TYPE_FAMILY[_GGUF_ARCHITECTURES[arch][0]],
   )
   return config
 

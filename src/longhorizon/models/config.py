@@ -1,7 +1,8 @@
-"""`ModelConfig`: the architecture of a Llama-family decoder (Llama 2/3.x, SmolLM2, Qwen2/2.5).
+"""`ModelConfig`: the architecture of a decoder (today the Llama family: Llama 2/3.x, SmolLM2, Qwen2/2.5).
 
 Field names follow HuggingFace `config.json` where one exists, so `from_hf` / `to_hf` are near
-identities and a reader of either file recognises every entry.
+identities and a reader of either file recognises every entry. `family` names the implementation
+(looked up in `models/families.py`); `decode_kernel` chooses the decode-step attention kernel.
 """
 
 from __future__ import annotations
@@ -9,13 +10,30 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-__all__ = ["ModelConfig", "RopeScaling", "tiny_config", "SUPPORTED_ARCHITECTURES"]
+from longhorizon.models import cpu_kernels
+
+__all__ = ["ModelConfig", "RopeScaling", "tiny_config", "SUPPORTED_ARCHITECTURES", "MODEL_TYPE_FAMILY",
+           "DECODE_KERNELS"]
 
 # HF `architectures` / `model_type` values this decoder implements exactly.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
 }
+
+# HF `model_type` -> the model family (`models/families.py`) that implements it.
+MODEL_TYPE_FAMILY = {
+    "llama": "llama",
+    "qwen2": "llama",  # Llama with q/k/v biases and untied embeddings
+}
+
+# `ModelConfig.decode_kernel` choices: the attention of a one-token decode step.
+#   "auto": the C++ kernel (`models/cpu_kernels.py`) when running on CPU with float32 caches, at most
+#           `cpu_kernels.MAX_GROUP` query heads per kv head, and a kernel that builds; else XLA (a
+#           warning names why the kernel did not build).
+#   "xla":  always XLA's einsums.
+#   "cpu":  always the kernel: an error if it cannot be built; the call lowers for CPU only.
+DECODE_KERNELS = ("auto", "xla", "cpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +69,12 @@ class ModelConfig:
   # Layers always run under `nn.scan` (compile time independent of depth). Remat policy for training:
   # "none", "full" (recompute each block in the backward pass) or "dots" (save matmul outputs only).
   remat: str = "none"
+  # The implementation: a name registered in `models/families.py` (`family(config)` looks it up).
+  # `from_hf` / GGUF loading set it from `model_type` (`MODEL_TYPE_FAMILY`).
+  family: str = "llama"
+  # Decode-step attention: "auto", "xla" or "cpu" (see `DECODE_KERNELS`). A field of this static jit
+  # argument, so the tracing cache keys on it: switching it retraces, never reuses a stale program.
+  decode_kernel: str = "auto"
 
   def __post_init__(self):
     if self.num_attention_heads % self.num_key_value_heads:
@@ -64,10 +88,24 @@ class ModelConfig:
     if self.model_type not in SUPPORTED_ARCHITECTURES.values():
       raise ValueError(f"model_type {self.model_type!r} is not supported; expected one of "
                        f"{sorted(SUPPORTED_ARCHITECTURES.values())}.")
+    if not isinstance(self.family, str) or not self.family:
+      raise ValueError(f"family must be a registered model family name (e.g. 'llama'), got "
+                       f"{self.family!r}.")
+    self._check_decode_kernel()
     if self.head_dim is None:
       object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
     if isinstance(self.rope_scaling, Mapping):
       object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+
+  def _check_decode_kernel(self):
+    if self.decode_kernel not in DECODE_KERNELS:
+      raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS}, got {self.decode_kernel!r}.")
+    group = self.num_attention_heads // self.num_key_value_heads
+    if self.decode_kernel == "cpu" and not cpu_kernels.applies(self.dtype, group):
+      raise ValueError(
+          f"decode_kernel='cpu' needs dtype='float32' and at most {cpu_kernels.MAX_GROUP} query heads "
+          f"per kv head; got dtype={self.dtype!r} and {group} query heads per kv head. Use "
+          f"decode_kernel='auto' (the kernel where it applies, else XLA) or 'xla'.")
 
   @property
   def dims_per_head(self) -> int:
@@ -118,6 +156,7 @@ class ModelConfig:
         attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
         max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
         model_type=model_type,
+        family=MODEL_TYPE_FAMILY[model_type],
     )
 
   def to_hf(self) -> dict[str, Any]:

@@ -1,12 +1,13 @@
 """CPU kernels reached through `jax.ffi`: the decode-step attention over each row's filled cache prefix.
 
 `decode_attention(q, k, v, n)` is what `llama._cached_attention` runs for a one-token step on CPU
-with float32 caches. The kernel (`decode_attention.cc`, next to this file) is compiled with the system
-C++ compiler the first time it is needed and cached under `$LONGHORIZON_KERNEL_CACHE` (default
+with float32 caches, as `ModelConfig.decode_kernel` chooses (`use_kernel`): "auto" where the kernel
+applies and builds, "cpu" always (an error if it cannot be built), "xla" never. The kernel
+(`decode_attention.cc`, next to this file) is compiled with the system C++ compiler (`$CXX`, else
+`c++` / `g++`) the first time it is needed and cached under `$LONGHORIZON_KERNEL_CACHE` (default
 `~/.cache/longhorizon/kernels`), keyed by the source, the jaxlib version and the CPU. Where it cannot
-be built (no compiler, no FFI headers) or is switched off (`LONGHORIZON_CPU_KERNELS=0`, or
-`use_cpu_kernels(False)` around tracing), `available()` is False and the model keeps its XLA path;
-results agree to float32 rounding (tested).
+be built (no compiler, no FFI headers) `available()` is False and "auto" keeps the XLA path; results
+agree to float32 rounding (tested).
 
 Why: XLA:CPU reads the whole KV cache every decode step, and no XLA formulation that reads only the
 filled prefix was faster (measurements in docs/notes/issue-03.md); at batch 64 that read was the gap
@@ -15,7 +16,6 @@ between the sampler and its matmul roofline.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import logging
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 
-__all__ = ["available", "decode_attention", "use_cpu_kernels", "build_error", "MAX_GROUP"]
+__all__ = ["available", "applies", "decode_attention", "use_kernel", "build_error", "MAX_GROUP"]
 
 MAX_GROUP = 8  # query heads per kv head the kernel is compiled for (GQA groups of 1 to 8)
 
@@ -45,7 +45,6 @@ _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-e
 
 _lock = threading.Lock()
 _state = {"loaded": False, "error": None}
-_enabled = threading.local()
 
 
 def _cpu_id() -> str:
@@ -109,23 +108,39 @@ def build_error() -> str | None:
   return _state["error"]
 
 
-@contextlib.contextmanager
-def use_cpu_kernels(enabled: bool):
-  """Within this context (at trace time), `available()` is `enabled and <kernel loads>`."""
-  previous = getattr(_enabled, "value", None)
-  _enabled.value = enabled
-  try:
-    yield
-  finally:
-    _enabled.value = previous
-
-
 def available() -> bool:
-  """True if `decode_attention` may be used by code traced now (see module docstring)."""
-  enabled = getattr(_enabled, "value", None)
-  if enabled is None:
-    enabled = os.environ.get("LONGHORIZON_CPU_KERNELS", "1") != "0"
-  return bool(enabled) and _load()
+  """True if the kernel is built and registered (building it on the first call)."""
+  return _load()
+
+
+def applies(cache_dtype, group: int) -> bool:
+  """Whether the kernel handles a `cache_dtype` cache with `group` query heads per kv head."""
+  return jnp.dtype(cache_dtype) == jnp.float32 and 1 <= group <= MAX_GROUP
+
+
+def use_kernel(decode_kernel: str, cache_dtype, group: int) -> bool:
+  """Whether a decode step traced now runs `decode_attention` (`ModelConfig.decode_kernel`).
+
+  Args:
+    decode_kernel: "auto" (the kernel where it applies and builds), "xla" (never) or "cpu" (always;
+      raises if it cannot be built or does not apply).
+    cache_dtype: the KV cache's dtype (the kernel reads float32 only).
+    group: query heads per kv head (the kernel handles 1 to `MAX_GROUP`).
+  """
+  if decode_kernel == "xla":
+    return False
+  if decode_kernel == "auto":
+    return applies(cache_dtype, group) and _load()
+  if decode_kernel != "cpu":
+    raise ValueError(f"decode_kernel must be 'auto', 'xla' or 'cpu', got {decode_kernel!r}.")
+  if not applies(cache_dtype, group):
+    raise ValueError(f"decode_kernel='cpu' needs a float32 cache and 1 to {MAX_GROUP} query heads "
+                     f"per kv head; got {jnp.dtype(cache_dtype)} and {group}. Use 'auto' or 'xla'.")
+  if not _load():
+    raise RuntimeError(f"decode_kernel='cpu' but the CPU decode-attention kernel cannot be built: "
+                       f"{build_error()}. Install a C++ compiler (or set CXX), or use "
+                       f"decode_kernel='auto' (falls back to XLA) or 'xla'.")
+  return True
 
 
 def decode_attention(q, k, v, n):

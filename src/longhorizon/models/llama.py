@@ -313,36 +313,47 @@ def decode_logits(params: DecodeParams, config: ModelConfig, hidden):
                     preferred_element_type=_F32)
 
 
-def _cached_attention(q, layer_k, layer_v, mask):
+def _xla_step_attention(q1, layer_k, layer_v, mask, _=None):
+  """XLA einsums over all `S` slots (masked): q1 `[B, KV, G, hd]` float32 (scaled), mask `[B, 1, S]`."""
+  scores = jnp.einsum("bkgd,bksd->bkgs", q1, layer_k.astype(_F32))
+  scores = jnp.where(mask[:, 0][:, None, None, :], scores, -1e30)
+  probs = jax.nn.softmax(scores, axis=-1)
+  return jnp.einsum("bkgs,bksd->bkgd", probs, layer_v.astype(_F32))
+
+
+def _decode_step_attention(q1, layer_k, layer_v, mask, decode_kernel: str):
+  """One-token attention `[B, KV, G, hd]` float32, by `ModelConfig.decode_kernel`.
+
+  "auto" chooses the CPU kernel through `lax.platform_dependent` (other platforms lower the XLA
+  einsums); "cpu" calls it directly (its FFI target is registered for the CPU platform only, so the
+  call has no lowering for another one).
+  """
+  if not cpu_kernels.use_kernel(decode_kernel, layer_k.dtype, q1.shape[2]):
+    return _xla_step_attention(q1, layer_k, layer_v, mask)
+  visible = jnp.sum(mask[:, 0], axis=-1, dtype=jnp.int32)  # the mask is a prefix
+  if decode_kernel == "cpu":
+    return cpu_kernels.decode_attention(q1, layer_k, layer_v, visible)
+  return jax.lax.platform_dependent(
+      q1, layer_k, layer_v, mask, visible, default=_xla_step_attention,
+      cpu=lambda q1, k, v, _, n: cpu_kernels.decode_attention(q1, k, v, n))
+
+
+def _cached_attention(q, layer_k, layer_v, mask, decode_kernel: str):
   """Grouped-query attention of new queries against a cache.
 
   q: `[B, T, KV, G, hd]`; layer_k, layer_v: `[B, KV, S, hd]`; mask `[B, T, S]`, for a decode step
   (`T == 1`) a prefix of each row's slots (as `_attention_mask` builds it). Returns
   `[B, T, KV, G, hd]` in q's dtype; computed in float32 (a bfloat16 cache is upcast as it is read).
 
-  A decode step with a float32 cache runs, on CPU, the `cpu_kernels.decode_attention` kernel when it
-  is available: it reads each row's visible prefix only, where XLA reads all `S` slots of every
-  layer every step (the sampler's largest cost after the matmuls at batch 64). Elsewhere, and for
-  longer appends (prefill, observations), einsums.
+  A decode step runs, as `decode_kernel` (`ModelConfig.decode_kernel`) chooses, the CPU kernel
+  `cpu_kernels.decode_attention`: it reads each row's visible prefix only, where XLA reads all `S`
+  slots of every layer every step (the sampler's largest cost after the matmuls at batch 64). Longer
+  appends (prefill, observations) run einsums.
   """
   scale = 1.0 / math.sqrt(q.shape[-1])
   if q.shape[1] == 1:
     q1 = q[:, 0].astype(_F32) * scale  # [B, KV, G, hd]
-
-    def xla(q1, layer_k, layer_v, mask, _):
-      scores = jnp.einsum("bkgd,bksd->bkgs", q1, layer_k.astype(_F32))
-      scores = jnp.where(mask[:, 0][:, None, None, :], scores, -1e30)
-      probs = jax.nn.softmax(scores, axis=-1)
-      return jnp.einsum("bkgs,bksd->bkgd", probs, layer_v.astype(_F32))
-
-    if (layer_k.dtype == _F32 and layer_v.dtype == _F32 and q.shape[3] <= cpu_kernels.MAX_GROUP
-        and cpu_kernels.available()):
-      visible = jnp.sum(mask[:, 0], axis=-1, dtype=jnp.int32)  # the mask is a prefix
-      out = jax.lax.platform_dependent(
-          q1, layer_k, layer_v, mask, visible,
-          cpu=lambda q1, k, v, _, n: cpu_kernels.decode_attention(q1, k, v, n), default=xla)
-    else:
-      out = xla(q1, layer_k, layer_v, mask, None)
+    out = _decode_step_attention(q1, layer_k, layer_v, mask, decode_kernel)
     return out[:, None].astype(q.dtype)
   scores = jnp.einsum("btkgd,bksd->bkgts", q.astype(_F32), layer_k.astype(_F32)) * scale
   scores = jnp.where(mask[:, None, None, :, :], scores, -1e30)
@@ -367,7 +378,8 @@ def _cached_block(w, config: ModelConfig, x, layer_k, layer_v, rope, mask, slots
   # Advanced indices (rows, slots) lead the indexed shape: [B, T, KV, hd], as k and v are.
   layer_k = layer_k.at[rows, :, slots].set(k.astype(layer_k.dtype), mode="drop")
   layer_v = layer_v.at[rows, :, slots].set(v.astype(layer_v.dtype), mode="drop")
-  out = _cached_attention(q.reshape(b, t, kv, h // kv, hd), layer_k, layer_v, mask)
+  out = _cached_attention(q.reshape(b, t, kv, h // kv, hd), layer_k, layer_v, mask,
+                          config.decode_kernel)
   x = x + jnp.dot(out.reshape(b, t, h * hd), w["o"])
   y = _rms_norm(x, w["post_norm"], config.rms_norm_eps)
   gate, up = jnp.split(jnp.dot(y, w["gate_up"]), 2, axis=-1)

@@ -12,6 +12,10 @@ The cache holds every token the policy saw or produced (prompt, sampled tokens, 
 turn recomputes its prefix: a k-turn episode costs what one turn with the same tokens costs.
 
 Conventions:
+- **The model** is `models.family(config)` (`config.family`, default "llama"): every model call goes
+  through that lookup, and the cache is the family's (`models.DecodeCache`: `end [B]`, `capacity`).
+  `config.decode_kernel` chooses the decode step's attention kernel; `config` is a static argument of
+  every jitted function here, so changing it retraces.
 - **Parameters**: raw `Transformer` params or `models.prepare_decode_params(params, config)` (per-layer
   arrays in the compute dtype). Prepare once per policy version: raw params are split inside every
   compiled call (a copy of the weights per call, outside the decode loop).
@@ -47,8 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from longhorizon.models.config import ModelConfig
-from longhorizon.models.llama import (KVCache, cached_forward, decode_logits, init_cache,
-                                      prepare_decode_params, rope_tables)
+from longhorizon.models.families import DecodeCache, family
 
 __all__ = ["SamplingParams", "DecodeResult", "prefill", "extend", "decode", "generate",
            "per_row_keys", "overflowed", "apply_temperature", "top_k_mask", "top_p_mask",
@@ -116,7 +119,7 @@ class DecodeResult:
   logprobs: jax.Array
   lengths: jax.Array  # [B] int32 tokens sampled per row (a final stop token included)
   stopped_by_stop_token: jax.Array  # [B] bool: the row's last token is in stop_token_ids
-  cache: KVCache  # input cache with every sampled token appended (end += lengths)
+  cache: DecodeCache  # input cache with every sampled token appended (end += lengths)
   last_logits: jax.Array  # [B, V] float32 next-token logits after the row's last token
 
 
@@ -280,26 +283,27 @@ def per_row_keys(key_or_seed, row_ids: chex.Array) -> jax.Array:
   return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, row_ids)
 
 
-def overflowed(cache: KVCache) -> jax.Array:
+def overflowed(cache: DecodeCache) -> jax.Array:
   """`[B]` bool: rows that were extended past the cache capacity (tokens were dropped)."""
   return cache.end > cache.capacity
 
 
-def _append_hidden(params, config: ModelConfig, cache: KVCache, tokens, lengths, rope=None):
+def _append_hidden(params, config: ModelConfig, cache: DecodeCache, tokens, lengths, rope=None):
   """Appends `tokens[B, T]` (`lengths[B]` real) to the cache; returns the cache and the final-normed
   hidden state `[B, D]` after each row's last new token (undefined for rows with length 0). `rope`:
-  optional precomputed rotary tables (see `cached_forward`)."""
-  out = cached_forward(params, config, tokens, cache, lengths=lengths, rope=rope)
+  optional precomputed position tables (see `cached_forward`)."""
+  out = family(config).cached_forward(params, config, tokens, cache, lengths=lengths, rope=rope)
   b, t = tokens.shape
   last = jnp.clip(lengths - 1, 0, t - 1)
   return out.cache, out.hidden[jnp.arange(b), last]
 
 
-def _append(params, config: ModelConfig, cache: KVCache, tokens, lengths) -> tuple[KVCache, jax.Array]:
+def _append(params, config: ModelConfig, cache: DecodeCache, tokens,
+            lengths) -> tuple[DecodeCache, jax.Array]:
   """As `_append_hidden`, returning the logits `[B, V]` after each row's last new token. Logits are
   computed only at that position, never `[B, T, V]`."""
   cache, hidden = _append_hidden(params, config, cache, tokens, lengths)
-  return cache, decode_logits(params, config, hidden)
+  return cache, family(config).decode_logits(params, config, hidden)
 
 
 def _check_tokens_lengths(tokens, lengths):
@@ -311,7 +315,7 @@ def _check_tokens_lengths(tokens, lengths):
 
 @functools.partial(jax.jit, static_argnames=("config", "capacity"))
 def prefill(params, config: ModelConfig, tokens: chex.Array, lengths: chex.Array,
-            capacity: int) -> tuple[KVCache, jax.Array]:
+            capacity: int) -> tuple[DecodeCache, jax.Array]:
   """Encodes right-padded prompts into a fresh cache.
 
   Args:
@@ -330,12 +334,12 @@ def prefill(params, config: ModelConfig, tokens: chex.Array, lengths: chex.Array
   if capacity < t:
     raise ValueError(f"capacity={capacity} is smaller than the prompt width T={t}; the cache must "
                      "hold the prompt and every generated token.")
-  cache = init_cache(config, b, capacity)
+  cache = family(config).init_cache(config, b, capacity)
   return _extend(params, config, cache, tokens, lengths, None)
 
 
 def _extend(params, config, cache, tokens, lengths, last_logits):
-  params = prepare_decode_params(params, config)
+  params = family(config).prepare_decode_params(params, config)
   _check_tokens_lengths(tokens, lengths)
   chex.assert_axis_dimension(cache.end, 0, tokens.shape[0])
   if tokens.shape[1] > cache.capacity:
@@ -351,8 +355,8 @@ def _extend(params, config, cache, tokens, lengths, last_logits):
 
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
-def extend(params, config: ModelConfig, cache: KVCache, tokens: chex.Array, lengths: chex.Array,
-           last_logits: chex.Array | None = None) -> tuple[KVCache, jax.Array]:
+def extend(params, config: ModelConfig, cache: DecodeCache, tokens: chex.Array, lengths: chex.Array,
+           last_logits: chex.Array | None = None) -> tuple[DecodeCache, jax.Array]:
   """Appends new tokens (an observation, a tool result) to each row of an existing cache.
 
   The new tokens of row `b` take slots and positions `cache.end[b] + t` and attend to the whole
@@ -373,6 +377,10 @@ def extend(params, config: ModelConfig, cache: KVCache, tokens: chex.Array, leng
   return _extend(params, config, cache, tokens, lengths, last_logits)
 
 
+# ----------------------------------------------------------------------------------------------------
+# Decoding: one `lax.while_loop` over `_decode_step`.
+
+
 @flax.struct.dataclass
 class _DecodeState:
   step: jax.Array  # [] int32 loop counter (column of the next token)
@@ -381,7 +389,7 @@ class _DecodeState:
   lengths: jax.Array  # [B] int32
   done: jax.Array  # [B] bool
   stopped: jax.Array  # [B] bool
-  cache: KVCache
+  cache: DecodeCache
   next_tokens: jax.Array  # [B] int32 drawn from the row's current next-token logits
   next_logprobs: jax.Array  # [B] float32 their log-probs
   last_hidden: jax.Array  # [B, D] hidden state after each row's last written token
@@ -389,17 +397,17 @@ class _DecodeState:
 
 
 @functools.partial(jax.jit, static_argnames=("config", "sampling"), donate_argnames=("cache",))
-def decode(params, config: ModelConfig, cache: KVCache, last_logits: chex.Array, keys: chex.Array,
+def decode(params, config: ModelConfig, cache: DecodeCache, last_logits: chex.Array, keys: chex.Array,
            sampling: SamplingParams, budgets: chex.Array | None = None,
            active: chex.Array | None = None) -> DecodeResult:
   """Samples up to `sampling.max_new_tokens` tokens per row in one `lax.while_loop`.
 
-  Each iteration records one token for every unfinished row (drawn from its latest next-token
-  logits), appends it to the cache with one batched model call (finished rows append nothing:
-  length 0), and draws the row's next token from the new logits. A row
-  finishes when it samples a stop token (kept in the output and counted in its length, since it ends
-  the turn) or reaches its budget; the loop exits when every row has finished. The returned cache holds
-  every sampled token, so `extend` can continue the episode.
+  Each iteration (`_decode_step`) records one token for every unfinished row (drawn from its latest
+  next-token logits), appends it to the cache with one batched model call (finished rows append
+  nothing: length 0), and draws the row's next token from the new logits. A row finishes when it
+  samples a stop token (kept in the output and counted in its length, since it ends the turn) or
+  reaches its budget; the loop exits when every row has finished. The returned cache holds every
+  sampled token, so `extend` can continue the episode.
 
   Args:
     params, config: as for `prefill`.
@@ -415,6 +423,30 @@ def decode(params, config: ModelConfig, cache: KVCache, last_logits: chex.Array,
   Returns:
     `DecodeResult`.
   """
+  last_logits, budgets, active = _check_decode_inputs(cache, last_logits, keys, sampling, budgets,
+                                                      active)
+  n = sampling.max_new_tokens
+  stop_ids = jnp.asarray(sampling.stop_token_ids, jnp.int32)
+  model = family(config)
+  params = model.prepare_decode_params(params, config)  # once, outside the loop (no-op if prepared)
+  # Position tables for every step, built once: a row that writes at step i has written at every
+  # earlier step, so its token sits at position `end + i` (rows that do not write are not used).
+  rope = model.position_tables(cache.end[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :], config)
+  step = functools.partial(_decode_step, params=params, config=config, keys=keys, sampling=sampling,
+                           rope=rope, budgets=budgets, stop_ids=stop_ids)
+  last_logits = last_logits.astype(_F32)
+  init = _initial_decode_state(config, cache, last_logits, keys, sampling, budgets, active)
+  s = jax.lax.while_loop(lambda s: (s.step < n) & ~jnp.all(s.done), step, init)
+  final_logits = jnp.where(s.wrote[:, None], model.decode_logits(params, config, s.last_hidden),
+                           last_logits)
+  return DecodeResult(tokens=s.tokens, logprobs=s.logprobs, lengths=s.lengths,
+                      stopped_by_stop_token=s.stopped, cache=s.cache, last_logits=final_logits)
+
+
+def _check_decode_inputs(cache: DecodeCache, last_logits, keys, sampling: SamplingParams, budgets,
+                         active):
+  """`decode`'s shape checks and defaults: `(last_logits [B, V], budgets [B] int32 clipped to
+  `[0, N]` and to the free slots, active [B])`."""
   last_logits = jnp.asarray(last_logits)
   chex.assert_rank(last_logits, 2)
   b = last_logits.shape[0]
@@ -433,52 +465,22 @@ def decode(params, config: ModelConfig, cache: KVCache, last_logits: chex.Array,
   chex.assert_shape(active, (b,))
   free_slots = jnp.maximum(cache.capacity - cache.end, 0)
   budgets = jnp.minimum(jnp.clip(budgets.astype(jnp.int32), 0, n), free_slots)
-  stop_ids = jnp.asarray(sampling.stop_token_ids, jnp.int32)
+  return last_logits, budgets, active
 
-  params = prepare_decode_params(params, config)  # once, outside the loop (no-op if prepared)
-  # Rotary tables for every step, built once: a row that writes at step i has written at every
-  # earlier step, so its token sits at position `end + i` (rows that do not write are not used).
-  rope = rope_tables(cache.end[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :], config)
 
-  def cond(s: _DecodeState):
-    return (s.step < n) & ~jnp.all(s.done)
+def _draw(keys, logits, cache_end, sampling: SamplingParams):
+  """The next token of every row, for cache slot `cache_end[B]` (see module docstring)."""
+  step_keys = None if keys is None else jax.vmap(jax.random.fold_in)(keys, cache_end)
+  return sample_tokens(step_keys, logits, sampling)
 
-  def draw(logits, cache):
-    """The next token of every row, for cache slot `cache.end` (see module docstring)."""
-    step_keys = None if keys is None else jax.vmap(jax.random.fold_in)(keys, cache.end)
-    return sample_tokens(step_keys, logits, sampling)
 
-  # Each iteration writes the token drawn at the end of the previous one, then draws the next from
-  # the fresh logits. Logits never enter the loop state: carrying `[B, V]` and selecting the old
-  # logits for finished rows cost a pass over `B x V` floats every step (~2 ms at B=64 on
-  # SmolLM2); finished rows keep their `[B, D]` hidden state instead, and the returned logits are
-  # computed from it once, after the loop.
-  def body(s: _DecodeState):
-    write = ~s.done
-    tok = jnp.where(write, s.next_tokens, PAD_OUTPUT_ID)
-    logp = jnp.where(write, s.next_logprobs, 0.0)
-    lengths = s.lengths + write.astype(jnp.int32)
-    hit_stop = (write & jnp.isin(tok, stop_ids)) if sampling.stop_token_ids else jnp.zeros_like(write)
-    step_rope = tuple(jax.lax.dynamic_slice_in_dim(table, s.step, 1, axis=1) for table in rope)
-    new_cache, hidden = _append_hidden(params, config, s.cache, tok[:, None],
-                                       write.astype(jnp.int32), step_rope)
-    next_tokens, next_logprobs = draw(decode_logits(params, config, hidden), new_cache)
-    return _DecodeState(
-        step=s.step + 1,
-        tokens=jax.lax.dynamic_update_index_in_dim(s.tokens, tok, s.step, axis=1),
-        logprobs=jax.lax.dynamic_update_index_in_dim(s.logprobs, logp, s.step, axis=1),
-        lengths=lengths,
-        done=s.done | hit_stop | (lengths >= budgets),
-        stopped=s.stopped | hit_stop,
-        cache=new_cache,
-        next_tokens=next_tokens,
-        next_logprobs=next_logprobs,
-        last_hidden=jnp.where(write[:, None], hidden, s.last_hidden),
-        wrote=s.wrote | write)
-
-  last_logits = last_logits.astype(_F32)
-  next_tokens, next_logprobs = draw(last_logits, cache)
-  init = _DecodeState(
+def _initial_decode_state(config: ModelConfig, cache: DecodeCache, last_logits, keys,
+                          sampling: SamplingParams, budgets, active) -> _DecodeState:
+  """The loop state before the first step: nothing written, the first tokens drawn from
+  `last_logits [B, V]` float32; rows inactive or without budget start done."""
+  b, n = last_logits.shape[0], sampling.max_new_tokens
+  next_tokens, next_logprobs = _draw(keys, last_logits, cache.end, sampling)
+  return _DecodeState(
       step=jnp.zeros((), jnp.int32),
       tokens=jnp.full((b, n), PAD_OUTPUT_ID, jnp.int32),
       logprobs=jnp.zeros((b, n), _F32),
@@ -490,11 +492,40 @@ def decode(params, config: ModelConfig, cache: KVCache, last_logits: chex.Array,
       next_logprobs=next_logprobs,
       last_hidden=jnp.zeros((b, config.hidden_size), jnp.dtype(config.dtype)),
       wrote=jnp.zeros((b,), bool))
-  s = jax.lax.while_loop(cond, body, init)
-  final_logits = jnp.where(s.wrote[:, None], decode_logits(params, config, s.last_hidden),
-                           last_logits)
-  return DecodeResult(tokens=s.tokens, logprobs=s.logprobs, lengths=s.lengths,
-                      stopped_by_stop_token=s.stopped, cache=s.cache, last_logits=final_logits)
+
+
+def _decode_step(s: _DecodeState, *, params, config: ModelConfig, keys, sampling: SamplingParams,
+                 rope, budgets, stop_ids) -> _DecodeState:
+  """One iteration of `decode`'s loop: writes the token drawn at the end of the previous one, then
+  draws the next from the fresh logits.
+
+  Logits never enter the loop state: carrying `[B, V]` and selecting the old logits for finished rows
+  cost a pass over `B x V` floats every step (~2 ms at B=64 on SmolLM2); finished rows keep their
+  `[B, D]` hidden state instead, and `decode` computes the returned logits from it once, after the
+  loop. `rope`: the position tables of all `N` steps (this step's column is sliced out).
+  """
+  write = ~s.done
+  tok = jnp.where(write, s.next_tokens, PAD_OUTPUT_ID)
+  logp = jnp.where(write, s.next_logprobs, 0.0)
+  lengths = s.lengths + write.astype(jnp.int32)
+  hit_stop = (write & jnp.isin(tok, stop_ids)) if sampling.stop_token_ids else jnp.zeros_like(write)
+  step_rope = jax.tree.map(lambda table: jax.lax.dynamic_slice_in_dim(table, s.step, 1, axis=1), rope)
+  new_cache, hidden = _append_hidden(params, config, s.cache, tok[:, None], write.astype(jnp.int32),
+                                     step_rope)
+  logits = family(config).decode_logits(params, config, hidden)
+  next_tokens, next_logprobs = _draw(keys, logits, new_cache.end, sampling)
+  return _DecodeState(
+      step=s.step + 1,
+      tokens=jax.lax.dynamic_update_index_in_dim(s.tokens, tok, s.step, axis=1),
+      logprobs=jax.lax.dynamic_update_index_in_dim(s.logprobs, logp, s.step, axis=1),
+      lengths=lengths,
+      done=s.done | hit_stop | (lengths >= budgets),
+      stopped=s.stopped | hit_stop,
+      cache=new_cache,
+      next_tokens=next_tokens,
+      next_logprobs=next_logprobs,
+      last_hidden=jnp.where(write[:, None], hidden, s.last_hidden),
+      wrote=s.wrote | write)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -533,7 +564,7 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]],
   lengths = np.array([len(r) for r in rows], np.int32)
   for i, r in enumerate(rows):
     tokens[i, :len(r)] = r
-  params = prepare_decode_params(params, config)
+  params = family(config).prepare_decode_params(params, config)
   cache, last_logits = prefill(params, config, tokens, lengths, width + sampling.max_new_tokens)
   keys = per_row_keys(seed, np.arange(len(rows)))
   out = decode(params, config, cache, last_logits, keys, sampling)
