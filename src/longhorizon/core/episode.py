@@ -3,13 +3,17 @@
 One row per episode. `L` is the context budget (tokens), `S` the maximum number of environment steps.
 The rollout loop writes it, filters and reward code read it, the learner trains on it. Tokens are the
 exact ids the policy saw and produced; nothing is re-tokenised from text.
+
+The schema is written once: each array field declares its dims and dtype (`_array("B L", np.int32)`);
+`validate` checks against those declarations and `empty` builds from them.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import enum
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import flax.struct
 import jax
@@ -37,38 +41,51 @@ class Termination(enum.IntEnum):
   ENV_ERROR = 6  # infrastructure failure (tool crash, injected fault)
 
 
+class _Spec(NamedTuple):
+  """One array field of `EpisodeBatch`: its dims (letters of `B`, `L`, `S`), its dtype, and its value
+  in `empty()`. `validate` accepts the dtype's kind, and 0/1 integers for a bool field."""
+  dims: tuple[str, ...]
+  dtype: np.dtype
+  fill: int = 0
+
+
+def _array(dims: str, dtype, fill: int = 0):
+  """An array field of shape `dims` (`"B L"`) and dtype `dtype`: what `validate` and `empty` read."""
+  return flax.struct.field(metadata={"spec": _Spec(tuple(dims.split()), np.dtype(dtype), fill)})
+
+
 @flax.struct.dataclass
 class EpisodeBatch:
   """A padded batch of `B` episodes. Shapes: `L` tokens (context budget), `S` environment steps."""
   # Token level.
-  tokens: Any  # [B, L] int32 exact token ids (prompt, actions, observations, padding)
-  positions: Any  # [B, L] int32 position ids fed to the model
-  attention_mask: Any  # [B, L] bool, 1 on real tokens, 0 on padding
-  loss_mask: Any  # [B, L] bool, 1 exactly on policy-sampled tokens (incl. the turn-ending token)
-  turn: Any  # [B, L] int32 environment-step index of each token, -1 on prompt and padding
-  behavior_logprobs: Any  # [B, L] float32 sampler log-probs of sampled tokens, 0 elsewhere
+  tokens: Any = _array("B L", np.int32)  # exact token ids (prompt, actions, observations, padding)
+  positions: Any = _array("B L", np.int32)  # position ids fed to the model
+  attention_mask: Any = _array("B L", bool)  # 1 on real tokens, 0 on padding
+  loss_mask: Any = _array("B L", bool)  # 1 on exactly the policy-sampled tokens (turn ends included)
+  turn: Any = _array("B L", np.int32, fill=-1)  # step index of each token; -1 on prompt and padding
+  behavior_logprobs: Any = _array("B L", np.float32)  # sampler log-probs on sampled tokens, else 0
   # Step level.
-  rewards: Any  # [B, S] float32 per-step reward (composed; see reward components)
-  step_mask: Any  # [B, S] bool, 1 on steps that happened
-  anchor: Any  # [B, S] uint32 hash of the env state the step's action was taken in
-  milestones: Any  # [B, S] int32 bitmask of milestones first reached at this step (bit m = milestone m)
-  cost: Any  # [B, S] float32 cost of the step (tool/time/token cost)
-  violation: Any  # [B, S] bool, a safety gate was hit at this step
-  env_error: Any  # [B, S] bool, the environment failed at this step (not the policy's fault)
+  rewards: Any = _array("B S", np.float32)  # per-step reward (composed; see reward components)
+  step_mask: Any = _array("B S", bool)  # 1 on steps that happened
+  anchor: Any = _array("B S", np.uint32)  # hash of the env state the step's action was taken in
+  milestones: Any = _array("B S", np.int32)  # bit m: milestone m first reached at this step
+  cost: Any = _array("B S", np.float32)  # cost of the step (tool/time/token cost)
+  violation: Any = _array("B S", bool)  # a safety gate was hit at this step
+  env_error: Any = _array("B S", bool)  # the env failed at this step (not the policy's fault)
   # Episode level.
-  group: Any  # [B] int32 task-group label (rollouts of one task share it)
-  success: Any  # [B] bool, the verifier accepted the final state
-  terminated: Any  # [B] bool, ended in a terminal state (success, failure, safety stop)
-  truncated: Any  # [B] bool, cut off (step limit, context budget); not a failure
-  termination: Any  # [B] int32 `Termination` kind
-  num_steps: Any  # [B] int32 number of steps taken (== step_mask.sum(-1))
-  score: Any  # [B] float32 episode reward used by outcome estimators (GRPO, RLOO, ...)
-  policy_version: Any  # [B] int32 version of the parameters that sampled the episode
-  env_version: Any  # [B] int32 hash of the env's names, versions, parameters (rollout.env_version)
-  reward_version: Any  # [B] int32 hash of the RewardConfig's values (rollout.reward_version)
-  env_seed: Any  # [B] uint32 environment-dynamics seed
-  task_seed: Any  # [B] uint32 task-generation seed
-  sampling_seed: Any  # [B] uint32 policy-sampling seed
+  group: Any = _array("B", np.int32)  # task-group label (rollouts of one task share it)
+  success: Any = _array("B", bool)  # the verifier accepted the final state
+  terminated: Any = _array("B", bool)  # ended in a terminal state (success, failure, safety stop)
+  truncated: Any = _array("B", bool)  # cut off (step limit, context budget); not a failure
+  termination: Any = _array("B", np.int32)  # `Termination` kind
+  num_steps: Any = _array("B", np.int32)  # number of steps taken (== step_mask.sum(-1))
+  score: Any = _array("B", np.float32)  # episode reward used by outcome estimators (GRPO, RLOO, ...)
+  policy_version: Any = _array("B", np.int32)  # version of the parameters that sampled the episode
+  env_version: Any = _array("B", np.int32)  # env names/versions/params hash (rollout.env_version)
+  reward_version: Any = _array("B", np.int32)  # RewardConfig values hash (rollout.reward_version)
+  env_seed: Any = _array("B", np.uint32)  # environment-dynamics seed
+  task_seed: Any = _array("B", np.uint32)  # task-generation seed
+  sampling_seed: Any = _array("B", np.uint32)  # policy-sampling seed
   reward_components: Mapping[str, Any] = flax.struct.field(default_factory=dict)  # name -> [B] float32
 
   @property
@@ -98,14 +115,15 @@ class EpisodeBatch:
     Raises:
       ValueError naming the first inconsistent field, what was expected and what was found.
     """
-    fields = {name: np.asarray(getattr(self, name)) for name in _SPEC}
+    fields = {name: np.asarray(getattr(self, name)) for name in _SCHEMA}
     dims = _infer_dims(fields)
     b, s = dims["B"], dims["S"]
-    for name, (shape, kind) in _SPEC.items():
-      want = tuple(dims[d] for d in shape)
+    for name, spec in _SCHEMA.items():
+      want = tuple(dims[d] for d in spec.dims)
       got = fields[name].shape
       if got != want:
-        raise ValueError(f"EpisodeBatch.{name}: expected shape {_fmt(shape, want)}, got {got}.")
+        raise ValueError(f"EpisodeBatch.{name}: expected shape {_fmt(spec.dims, want)}, got {got}.")
+      kind = _KINDS[spec.dtype.kind]
       if fields[name].dtype.kind not in kind:
         raise ValueError(f"EpisodeBatch.{name}: expected dtype kind {_KIND_NAMES[kind]}, got "
                          f"{fields[name].dtype}.")
@@ -113,8 +131,7 @@ class EpisodeBatch:
       if np.shape(value) != (b,):
         raise ValueError(f"EpisodeBatch.reward_components[{name!r}]: expected shape [B]=({b},), got "
                          f"{np.shape(value)}.")
-    for name in ("attention_mask", "loss_mask", "step_mask", "violation", "env_error", "success",
-                 "terminated", "truncated"):
+    for name in (name for name, spec in _SCHEMA.items() if spec.dtype == bool):
       values = fields[name]
       if values.dtype.kind != "b" and not np.isin(values, (0, 1)).all():
         raise ValueError(f"EpisodeBatch.{name}: expected 0/1 values, got {np.unique(values)[:8]}.")
@@ -149,42 +166,18 @@ class EpisodeBatch:
     return self
 
 
+# The array fields' declarations, in field order (`reward_components` is checked on its own).
+_SCHEMA = {f.name: f.metadata["spec"] for f in dataclasses.fields(EpisodeBatch) if "spec" in f.metadata}
+# Declared dtype kind -> the dtype kinds `validate` accepts (0/1 integers for a bool field).
+_KINDS = {"b": "biu", "i": "iu", "u": "iu", "f": "f"}
 _KIND_NAMES = {"iu": "integer", "f": "float", "b": "bool", "biu": "bool or integer"}
-_SPEC = {
-    "tokens": (("B", "L"), "iu"),
-    "positions": (("B", "L"), "iu"),
-    "attention_mask": (("B", "L"), "biu"),
-    "loss_mask": (("B", "L"), "biu"),
-    "turn": (("B", "L"), "iu"),
-    "behavior_logprobs": (("B", "L"), "f"),
-    "rewards": (("B", "S"), "f"),
-    "step_mask": (("B", "S"), "biu"),
-    "anchor": (("B", "S"), "iu"),
-    "milestones": (("B", "S"), "iu"),
-    "cost": (("B", "S"), "f"),
-    "violation": (("B", "S"), "biu"),
-    "env_error": (("B", "S"), "biu"),
-    "group": (("B",), "iu"),
-    "success": (("B",), "biu"),
-    "terminated": (("B",), "biu"),
-    "truncated": (("B",), "biu"),
-    "termination": (("B",), "iu"),
-    "num_steps": (("B",), "iu"),
-    "score": (("B",), "f"),
-    "policy_version": (("B",), "iu"),
-    "env_version": (("B",), "iu"),
-    "reward_version": (("B",), "iu"),
-    "env_seed": (("B",), "iu"),
-    "task_seed": (("B",), "iu"),
-    "sampling_seed": (("B",), "iu"),
-}
 
 
 def _infer_dims(fields):
   """B, L and S as the sizes most fields agree on, so the one odd field is the one reported."""
   seen = {"B": [], "L": [], "S": []}
-  for name, (dims, _) in _SPEC.items():
-    shape = fields[name].shape
+  for name, spec in _SCHEMA.items():
+    dims, shape = spec.dims, fields[name].shape
     if len(shape) != len(dims):
       raise ValueError(f"EpisodeBatch.{name}: expected rank {len(dims)} ({_fmt(dims, '?')}), got shape "
                        f"{shape}.")
@@ -203,20 +196,10 @@ def _check(ok, field, problem):
 
 
 def empty(batch_size: int, context_length: int, max_steps: int) -> EpisodeBatch:
-  """An all-padding batch with the documented dtypes (rollout code fills it in)."""
-  b, l, s = batch_size, context_length, max_steps
-  z = lambda shape, dtype: np.zeros(shape, dtype)
-  return EpisodeBatch(
-      tokens=z((b, l), np.int32), positions=z((b, l), np.int32), attention_mask=z((b, l), bool),
-      loss_mask=z((b, l), bool), turn=np.full((b, l), -1, np.int32),
-      behavior_logprobs=z((b, l), np.float32), rewards=z((b, s), np.float32),
-      step_mask=z((b, s), bool), anchor=z((b, s), np.uint32), milestones=z((b, s), np.int32),
-      cost=z((b, s), np.float32), violation=z((b, s), bool), env_error=z((b, s), bool),
-      group=z((b,), np.int32), success=z((b,), bool), terminated=z((b,), bool),
-      truncated=z((b,), bool), termination=z((b,), np.int32), num_steps=z((b,), np.int32),
-      score=z((b,), np.float32), policy_version=z((b,), np.int32), env_version=z((b,), np.int32),
-      reward_version=z((b,), np.int32), env_seed=z((b,), np.uint32), task_seed=z((b,), np.uint32),
-      sampling_seed=z((b,), np.uint32))
+  """An all-padding batch with the declared dtypes (rollout code fills it in)."""
+  sizes = {"B": batch_size, "L": context_length, "S": max_steps}
+  return EpisodeBatch(**{name: np.full(tuple(sizes[d] for d in spec.dims), spec.fill, spec.dtype)
+                         for name, spec in _SCHEMA.items()})
 
 
 def to_device(batch: EpisodeBatch) -> EpisodeBatch:
