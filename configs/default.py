@@ -18,6 +18,7 @@ the warm start's to >= 0.8, at least 0.3 above it; `eval.json`, `metrics.jsonl`,
 
 import ml_collections
 
+from longhorizon.envs import RewardSpec
 from longhorizon.models import sharding
 from longhorizon.train.algorithms import AlgorithmOptions
 from longhorizon.train.options import OptimOptions, RolloutOptions, as_config
@@ -57,18 +58,17 @@ def get_config(arg=None):
   config.model.num_key_value_heads = 2
   config.model.intermediate_size = 256
   config.model.dtype = "float32"
+  config.model.family = "llama"  # a fresh decoder's family (models.registered_families())
+  # Decode-step attention: auto (the C++ CPU kernel where it applies and builds, else XLA) | xla | cpu
+  config.model.decode_kernel = "auto"
 
   # Rollouts: every field and its default in `longhorizon.train.options.RolloutOptions` (sync or
   # async; tasks per update, rollouts per task, context and turn budgets, sampling, staleness).
   config.rollout = as_config(RolloutOptions)
 
-  # Reward composition.
-  config.reward = ml_collections.ConfigDict()
-  config.reward.success = 1.0
-  config.reward.milestone = 0.0
-  config.reward.cost = 0.0
-  config.reward.invalid = 0.0
-  config.reward.violation = -1.0
+  # The reward (`longhorizon.envs.RewardSpec`, the environment's and training's one definition: all
+  # weights >= 0, penalties subtracted; a violation makes the episode a failure worth -violation).
+  config.reward = as_config(RewardSpec)
 
   # The advantage estimator (`longhorizon.train.algorithms.AlgorithmOptions`: grpo | drgrpo | rloo |
   # reinforce_pp | gigpo | ppo, and their options: discounts, GAE lambda, group filters).

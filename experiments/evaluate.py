@@ -190,7 +190,6 @@ class _Evaluation:
   codec: envs.Codec
   source: object  # the split's task data source (`tasks.load`)
   rollout_config: rollout.RolloutConfig
-  reward: rollout.RewardConfig | None  # None: the environment's own reward
   policy: dict  # {"params", "model_config"}, or {} for a baseline
   defaults: dict  # split, k, num_tasks, seed, env, faults
   context: object = contextlib.nullcontext()  # the run's device mesh, if it had one
@@ -214,7 +213,6 @@ def _from_workdir(workdir: str) -> _Evaluation:
   return _Evaluation(
       env=s.env, codec=s.codec, source=s.eval_tasks.get(split, s.train_tasks),
       rollout_config=s.rollout.collect_config(config.env.max_steps, temperature=temperature),
-      reward=s.reward,
       policy={"params": state.params, "model_config": s.model_config},
       defaults={"split": split, "k": config.eval.k, "num_tasks": config.eval.num_tasks,
                 "seed": loop.eval_seed(config), "env": config.env.name,
@@ -246,7 +244,7 @@ def _from_flags(ckpt: str) -> _Evaluation:
       rollout_config=rollout.RolloutConfig(group_size=1, max_steps=env_config.max_steps,
                                            context_length=1024, turn_tokens=64,
                                            temperature=temperature),
-      reward=None, policy=policy,
+      policy=policy,
       defaults={"split": split, "k": 4, "num_tasks": 64, "seed": 0, "env": _ENV.value,
                 "faults": faults})
 
@@ -279,7 +277,7 @@ def main(argv):
   with ev.context:
     report, _ = runner.evaluate(ev.env, ev.codec, tasks, attempts=k,
                                 rollout_config=ev.rollout_config, policy=name, seed=seed,
-                                reward=ev.reward, **ev.policy)
+                                **ev.policy)
   report.update(checkpoint=ckpt, env=ev.defaults["env"], split=ev.defaults["split"], k=k, seed=seed,
                 temperature=ev.rollout_config.temperature, faults=ev.defaults["faults"])
   os.makedirs(_OUT.value, exist_ok=True)

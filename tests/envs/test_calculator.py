@@ -77,8 +77,8 @@ HAND_TASK = {"start": np.int32(4), "ops": np.array([MUL, SUB, 0], np.int32),
 
 @pytest.fixture(scope="module")
 def hand():
-  env = Calculator(num_ops=2, ood_num_ops=3, max_value=20, milestone_reward=0.25,
-                   invalid_penalty=0.5)
+  env = Calculator(num_ops=2, ood_num_ops=3, max_value=20, milestone=0.25,
+                   invalid=0.5)
   return env, jax.jit(env.reset), jax.jit(env.step)
 
 
@@ -330,7 +330,7 @@ def _plain_action(rng, plain, max_value):
   return int(rng.choice([-1, 2, 7])), [1, 0, 1], 0  # a tool index out of range
 
 
-SMALL = dict(num_ops=3, ood_num_ops=5, max_value=30, milestone_reward=0.25, invalid_penalty=0.5)
+SMALL = dict(num_ops=3, ood_num_ops=5, max_value=30, milestone=0.25, invalid=0.5)
 
 
 @pytest.fixture(scope="module")

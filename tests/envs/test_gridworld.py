@@ -76,7 +76,7 @@ HAND = {"grid": np.array([[KEY, FLOOR, FLOOR, FLOOR],
 @pytest.fixture(scope="module")
 def hand():
   """`(env, reset, step)` of a 4x4 environment with milestone rewards and invalid penalties."""
-  env = GridWorld(size=4, milestone_reward=0.25, invalid_penalty=0.5)
+  env = GridWorld(size=4, milestone=0.25, invalid=0.5)
   return env, jax.jit(env.reset), jax.jit(env.step)
 
 

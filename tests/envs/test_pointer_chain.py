@@ -21,7 +21,7 @@ LOOKUP, ANSWER = 0, 1
 
 @pytest.fixture(scope="module")
 def env():
-  return envs.make("pointer_chain", horizon=3, milestone_reward=0.25, invalid_penalty=0.1)
+  return envs.make("pointer_chain", horizon=3, milestone=0.25, invalid=0.1)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ ROOT = pathlib.Path(__file__).parents[2]
 FIND, LIST, GET, UPDATE, CANCEL, REFUND, TRANSFER, DONE = range(8)
 PENDING, PROCESSING, SHIPPED, DELIVERED, CANCELLED, REFUNDED = range(6)
 LIAM, AVA, EMMA = NAMES.index("Liam"), NAMES.index("Ava"), NAMES.index("Emma")
-REWARD = {"milestone_reward": 0.25, "invalid_penalty": 0.1}
+REWARD = {"milestone": 0.25, "invalid": 0.1}
 
 
 def _load_plain():

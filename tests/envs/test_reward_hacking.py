@@ -1,5 +1,5 @@
 """Reward hacking: shortcuts a policy may find to reward without doing the task, each checked at the
-environment level and through `rollout.compose_rewards` (what the learners train on).
+environment level and through `envs.compose_rewards` (what the learners train on).
 
 * pointer_chain: the correct final value answered without (all) the lookups earns no success and no
   reward, for any number of hops; a second answer after a wrong one changes nothing.
@@ -27,8 +27,8 @@ from longhorizon.envs import Action, ErrorCode, testing, to_numpy
 from longhorizon.envs.gridworld import DOOR, MOVES
 
 STYLES = ("compact", "tool_call")
-REWARD = {"success_reward": 1.0, "milestone_reward": 0.25, "invalid_penalty": 0.1}
-COMPOSE = rollout.RewardConfig(success=1.0, milestone=0.5, invalid=0.1, violation=-1.0)
+REWARD = {"success": 1.0, "milestone": 0.25, "invalid": 0.1}
+COMPOSE = envs.RewardSpec(success=1.0, milestone=0.5, invalid=0.1, violation=1.0)
 
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -53,7 +53,7 @@ def _compose(episodes, num_milestones, config=COMPOSE):
       if bool(ts.terminated | ts.truncated):
         success[i] = bool(ts.success)
         break
-  return rollout.compose_rewards(config, success=success, num_milestones=num_milestones, **fields)
+  return envs.compose_rewards(config, success=success, num_milestones=num_milestones, **fields)
 
 
 def _until_done(timesteps):
@@ -160,7 +160,7 @@ def test_pointer_chain_milestones_once_when_rereading(jitted):
   assert np.stack(held[hops:]).all()
   rewards = np.array([float(t.reward) for t in ts])
   np.testing.assert_allclose(rewards.sum(),
-                             REWARD["success_reward"] + 2 * REWARD["milestone_reward"])
+                             REWARD["success"] + 2 * REWARD["milestone"])
   assert bool(ts[-1].success)
   composed = _compose([ts], env.num_milestones)
   np.testing.assert_allclose(composed["reward/milestones"], [2 * COMPOSE.milestone])
@@ -203,7 +203,7 @@ def test_gridworld_door_and_key_pay_once(jitted):
     fired = np.stack([t.milestones for t in ts])
     np.testing.assert_array_equal(fired.sum(0), [1, 1, 1])
     rewards = np.array([float(t.reward) for t in ts])
-    np.testing.assert_allclose(rewards.sum(), 1.0 + 3 * REWARD["milestone_reward"], rtol=1e-6)
+    np.testing.assert_allclose(rewards.sum(), 1.0 + 3 * REWARD["milestone"], rtol=1e-6)
     episodes.append(ts)
   composed = _compose(episodes, env.num_milestones)
   np.testing.assert_allclose(composed["reward/milestones"], 3 * COMPOSE.milestone)
@@ -383,11 +383,11 @@ def test_retail_forbidden_write_is_penalised_whatever_else(retail, retail_tasks,
       assert len(ts) == len(served) + len(writes), writes
       assert sum(int(t.milestones.sum()) for t in ts) >= 2
       assert bool(last.violation) and bool(last.terminated) and not bool(last.success)
-      assert float(last.reward) == pytest.approx(-1.0)  # the env's violation_penalty
+      assert float(last.reward) == pytest.approx(-1.0)  # the env's violation penalty
       episodes.append(ts)
   composed = _compose(episodes, retail.num_milestones)
   # compose_rewards: the whole episode is worth the violation, every positive part dropped.
-  np.testing.assert_allclose(composed["score"], COMPOSE.violation)
+  np.testing.assert_allclose(composed["score"], -COMPOSE.violation)
   np.testing.assert_array_equal(composed["reward/milestones"], 0.0)
   np.testing.assert_array_equal(composed["reward/success"], 0.0)
   assert (composed["step_rewards"] <= 0.0).all()

@@ -4,7 +4,7 @@ import numpy as np
 
 from longhorizon.core.episode import Termination
 from longhorizon.envs.types import ErrorCode, TimeStep
-from longhorizon.rollout import RewardConfig
+from longhorizon.envs import RewardSpec
 from longhorizon.rollout.buffer import EpisodeBuffer
 
 
@@ -39,7 +39,7 @@ def test_a_two_row_episode_by_hand():
   buffer.append_observation(1, 0, [4, 4])
   buffer.stop(1, Termination.CONTEXT_OVERFLOW)
   np.testing.assert_array_equal(buffer.done, [True, True])
-  batch = buffer.finish(RewardConfig(milestone=0.5, invalid=0.25)).validate()
+  batch = buffer.finish(RewardSpec(milestone=0.5, invalid=0.25)).validate()
 
   np.testing.assert_array_equal(batch.tokens, [[7, 8, 9, 1, 2, 0, 0, 0, 0, 0],
                                                [5, 6, 3, 4, 4, 0, 0, 0, 0, 0]])

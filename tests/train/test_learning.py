@@ -46,7 +46,7 @@ def _config(tmp_path, **changes):
     ("loss.name", "ppo", "config.loss.name='ppo' is not allowed; expected one of ['gspo', 'ppo_clip', 'tis']"),
     ("loss.dual_clip", 0.5, "0 (off) or a number > 1"),
     ("rollout.group_size", 0, "an integer >= 1"),
-    ("reward.violation", 1.0, "a violation is a failure"),
+    ("reward.violation", -1.0, "a penalty: a violating episode is worth -violation"),
     ("env.faults", {"meteor": 0.1}, "fault kinds from"),
 ])
 def test_config_validation_names_the_field(tmp_path, path, value, message):
@@ -220,3 +220,30 @@ def test_config_validation_fuzz():
       assert "config." in str(e), str(e)
 
   check()
+
+
+def test_a_registered_loss_is_used_by_name(warm):
+  """The update dispatches on `loss.name` through the registry alone: a loss registered by a user
+  (here the PPO clip under another name) trains exactly like the built-in one, and a loss that
+  doubles it gives other parameters."""
+  from longhorizon.train import policy_losses
+  s, state = warm
+  db = _batch(s, state)
+  inputs = s.learn_inputs(state, db)
+  base = policy_losses.POLICY_LOSSES["ppo_clip"]
+  double = lambda *args: (lambda out: (2 * out[0], out[1]))(base.fn(*args))
+  policy_losses.register(policy_losses.PolicyLoss("test_copy", base.fn))
+  policy_losses.register(policy_losses.PolicyLoss("test_double", double))
+  try:
+    results = {}
+    for name in ("ppo_clip", "test_copy", "test_double"):
+      learner = dataclasses.replace(s, loss=dataclasses.replace(s.loss, name=name))
+      new, metrics = learner.update(jax.tree.map(jnp.array, state), db, inputs)
+      results[name] = (jax.device_get(new.params), float(metrics["loss"]))
+  finally:
+    del policy_losses.POLICY_LOSSES["test_copy"], policy_losses.POLICY_LOSSES["test_double"]
+  assert results["test_copy"][1] == results["ppo_clip"][1]
+  jax.tree.map(np.testing.assert_array_equal, results["test_copy"][0], results["ppo_clip"][0])
+  changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), results["test_double"][0],
+                         results["ppo_clip"][0])
+  assert any(jax.tree.leaves(changed))  # twice the loss: other steps, other parameters

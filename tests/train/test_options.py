@@ -9,7 +9,8 @@ from absl import flags
 from ml_collections import config_flags
 import pytest
 
-from longhorizon.rollout import RewardConfig, RolloutConfig
+from longhorizon.envs import RewardSpec
+from longhorizon.rollout import RolloutConfig
 from longhorizon.train import config as config_lib
 from longhorizon.train.algorithms import AlgorithmOptions
 from longhorizon.train.options import ConfigError, RolloutOptions
@@ -98,11 +99,17 @@ def test_rollout_config_fields_come_from_the_config():
 
 
 def test_reward_fields_come_from_the_config():
+  """Every `RewardSpec` field is a `config.reward` field, and the environment a run builds carries
+  the config's reward (so the environment's own step reward and training's agree)."""
+  from longhorizon.train.learner import make_env
   config = _parse("--config.reward.milestone=0.25", "--config.reward.invalid=0.5")
-  names = {f.name for f in dataclasses.fields(RewardConfig)}
+  names = {f.name for f in dataclasses.fields(RewardSpec)}
   assert set(config.reward.keys()) == names
-  reward = RewardConfig(**config.reward)
-  assert (reward.milestone, reward.invalid) == (0.25, 0.5)
+  assert make_env(config).reward_spec == RewardSpec(milestone=0.25, invalid=0.5)
+  config.unlock()
+  config.env.params = {"horizon": 3, "success": 2.0}
+  with pytest.raises(ConfigError, match=r"config.env.params sets \['success'\]"):
+    make_env(config)
 
 
 def test_one_default_each():

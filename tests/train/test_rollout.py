@@ -152,8 +152,8 @@ def test_env_error_episodes_are_kept_but_excluded():
 
 
 def test_reward_composition_safety_first():
-  out = rollout.compose_rewards(
-      rollout.RewardConfig(success=1.0, milestone=0.1, cost=1.0, invalid=0.2, violation=-1.0),
+  out = envs.compose_rewards(
+      envs.RewardSpec(success=1.0, milestone=0.1, cost=1.0, invalid=0.2, violation=1.0),
       step_mask=np.array([[1, 1, 1], [1, 1, 0]], bool),
       milestones=np.array([[1, 2, 0], [3, 0, 0]], np.int32),
       cost=np.array([[0.05, 0.0, 0.0], [0.0, 0.0, 0.0]], np.float32),

@@ -150,10 +150,16 @@ def test_main_script_exact_command_line_with_its_relative_default_workdir(tmp_pa
   assert 'WORKDIR="${WORKDIR:-results/default}"' in script and '--workdir="$WORKDIR"' in script
   env = _env(tmp_path)
   env.pop("WORKDIR", None)
-  run = subprocess.run(["bash", "scripts/main.sh", "--config.num_updates=1", "--config.sft.steps=4",
-                        "--config.eval.num_tasks=8", "--config.eval.k=1",
-                        "--config.tasks.train_size=256", "--config.checkpoint_every=1"],
-                       cwd=repo, env=env, capture_output=True, text=True, timeout=1200)
+  try:
+    run = subprocess.run(["bash", "scripts/main.sh", "--config.num_updates=1",
+                          "--config.sft.steps=4", "--config.eval.num_tasks=8", "--config.eval.k=1",
+                          "--config.tasks.train_size=256", "--config.checkpoint_every=1"],
+                         cwd=repo, env=env, capture_output=True, text=True, timeout=1200)
+  finally:
+    # main.sh's set-up installed the copy (editable) into the shared environment: point it back at
+    # this checkout, or every later import of longhorizon would load the temporary copy.
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "-e",
+                    str(ROOT)], check=True, capture_output=True, timeout=600)
   assert run.returncode == 0, run.stderr[-3000:]
   out = repo / "results" / "default"
   assert (out / "checkpoints" / "0").exists() and (out / "checkpoints" / "1").exists()

@@ -7,11 +7,11 @@ _INVALID_ARGUMENT, _UNKNOWN_TOOL = 6, 3
 class PlainCalculator:
   """Same dynamics, observations and rewards as `longhorizon.envs.calculator.Calculator`."""
 
-  def __init__(self, num_ops=3, max_value=999, ood_num_ops=None, success_reward=1.0,
-               milestone_reward=0.0, invalid_penalty=0.0, violation_penalty=1.0):
+  def __init__(self, num_ops=3, max_value=999, ood_num_ops=None, success=1.0,
+               milestone=0.0, invalid=0.0, violation=1.0):
     self.max_value = max_value
-    self.success_reward, self.milestone_reward = success_reward, milestone_reward
-    self.invalid_penalty = invalid_penalty
+    self.success_reward, self.milestone_reward = success, milestone
+    self.invalid_penalty = invalid
 
   def reset(self, task):
     self.values = [int(v) for v in task["values"]]

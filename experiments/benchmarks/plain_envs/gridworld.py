@@ -14,13 +14,13 @@ class PlainGridWorld:
   parameters only matter to task generation, which this class does not do)."""
 
   def __init__(self, size=5, num_walls=2, num_holes=2, key_door=True, max_length=None,
-               ood_num_walls=None, ood_num_holes=None, ood_min_length=None, success_reward=1.0,
-               milestone_reward=0.0, invalid_penalty=0.0, violation_penalty=1.0):
+               ood_num_walls=None, ood_num_holes=None, ood_min_length=None, success=1.0,
+               milestone=0.0, invalid=0.0, violation=1.0):
     del num_walls, num_holes, key_door, max_length, ood_num_walls, ood_num_holes, ood_min_length
-    del violation_penalty  # gridworld has no safety gate
+    del violation  # gridworld has no safety gate
     self.size = size
-    self.success_reward, self.milestone_reward = success_reward, milestone_reward
-    self.invalid_penalty = invalid_penalty
+    self.success_reward, self.milestone_reward = success, milestone
+    self.invalid_penalty = invalid
 
   def reset(self, task):
     self.grid = [[int(v) for v in line] for line in task["grid"]]

@@ -5,12 +5,12 @@
 class PlainPointerChain:
   """Same dynamics and rewards as `longhorizon.envs.pointer_chain.PointerChain` (default reward)."""
 
-  def __init__(self, horizon=4, ood_horizon=None, num_keys=None, success_reward=1.0,
-               milestone_reward=0.0, invalid_penalty=0.0, violation_penalty=1.0):
+  def __init__(self, horizon=4, ood_horizon=None, num_keys=None, success=1.0,
+               milestone=0.0, invalid=0.0, violation=1.0):
     longest = max(horizon, ood_horizon if ood_horizon is not None else 2 * horizon)
     self.num_keys = num_keys if num_keys is not None else max(16, 2 * longest + 2)
-    self.success_reward, self.milestone_reward = success_reward, milestone_reward
-    self.invalid_penalty = invalid_penalty
+    self.success_reward, self.milestone_reward = success, milestone
+    self.invalid_penalty = invalid
 
   def reset(self, task):
     self.store = [int(v) for v in task["store"]]

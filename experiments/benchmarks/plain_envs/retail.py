@@ -14,13 +14,13 @@ class PlainRetail:
 
   def __init__(self, num_users=4, orders_per_user=3, num_products=8, num_addresses=8, requests=1,
                ood_requests=3, impossible_rate=0.25, injection_rate=0.0, ood_injection_rate=None,
-               success_reward=1.0, milestone_reward=0.0, invalid_penalty=0.0,
-               violation_penalty=1.0):
+               success=1.0, milestone=0.0, invalid=0.0,
+               violation=1.0):
     self.num_users, self.orders_per_user = num_users, orders_per_user
     self.num_orders = num_users * orders_per_user
     self.num_addresses = num_addresses
-    self.success_reward, self.milestone_reward = success_reward, milestone_reward
-    self.invalid_penalty, self.violation_penalty = invalid_penalty, violation_penalty
+    self.success_reward, self.milestone_reward = success, milestone
+    self.invalid_penalty, self.violation_penalty = invalid, violation
 
   def reset(self, task):
     ints = lambda k: [int(v) for v in task[k]]

@@ -12,13 +12,14 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
-from longhorizon.envs.base import Environment, RewardSpec, Transition, batch_reset, batch_step, stack_actions
+from longhorizon.envs.base import Environment, Transition, batch_reset, batch_step, stack_actions
+from longhorizon.envs.rewards import RewardSpec, compose_rewards
 from longhorizon.envs.codec import Codec, default_tokenizer
 from longhorizon.envs.wrappers import FAULT_KINDS, FaultInjection, LoopDetector, TimeLimit, ToolCost, Wrapper
 from longhorizon.envs.types import (ERROR_MESSAGES, Action, Arg, EnvState, ErrorCode, TimeStep, Tool,
                                     hash_tree, row, to_numpy)
 
-__all__ = ["make", "register", "registered", "resolve", "Environment", "RewardSpec", "Transition",
+__all__ = ["make", "register", "registered", "resolve", "Environment", "RewardSpec", "compose_rewards", "Transition",
            "Codec", "default_tokenizer", "Action", "Arg", "Tool", "EnvState", "ErrorCode",
            "ERROR_MESSAGES", "TimeStep", "hash_tree", "row", "to_numpy", "batch_reset",
            "batch_step", "stack_actions", "Wrapper", "TimeLimit", "FaultInjection", "ToolCost",

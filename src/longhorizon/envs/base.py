@@ -8,7 +8,8 @@ API, so every environment treats these the same way:
 * `reset(key, task=None)`: a task from the task stream of `key` unless one is given; the environment's
   own randomness uses a separate stream.
 * `step(state, action)`: a malformed action (`action.error != NONE`) never reaches `transition`; the
-  environment answers with an error observation and the `invalid_penalty`. A finished row stays
+  environment answers with an error observation and the `invalid` penalty of its `RewardSpec`
+  (`envs/rewards.py`, the one reward definition). A finished row stays
   finished: stepping it returns its final time step with zero reward and milestones, and leaves the
   state unchanged.
 * milestones are rewarded the first time only; a milestone that already holds in the initial state
@@ -30,21 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from longhorizon.envs.codec import Codec
+from longhorizon.envs.rewards import RewardSpec
 from longhorizon.envs.types import Action, EnvState, ErrorCode, TimeStep, Tool, hash_tree, select
 
 __all__ = ["Environment", "Transition", "RewardSpec", "SPLITS"]
 
 SPLITS = ("train", "test", "ood")
-
-
-@dataclasses.dataclass(frozen=True)
-class RewardSpec:
-  """The environment's default reward: `success * success_reward + new milestones *
-  milestone_reward - invalid * invalid_penalty - violation * violation_penalty + shaping`."""
-  success_reward: float = 1.0
-  milestone_reward: float = 0.0
-  invalid_penalty: float = 0.0
-  violation_penalty: float = 1.0
 
 
 class Transition(NamedTuple):
@@ -54,7 +46,6 @@ class Transition(NamedTuple):
   terminated: jax.Array  # [] bool
   milestones: jax.Array  # [M] bool: milestones that hold after this step (first-time logic is in base)
   violation: jax.Array = False  # [] bool: safety gate hit
-  shaping: jax.Array = 0.0  # [] float32 extra reward (default none)
   rejected: jax.Array = False  # [] bool: the env refused the action (counts as invalid)
 
 
@@ -69,6 +60,10 @@ class Environment(abc.ABC):
   def __init__(self, reward: RewardSpec | None = None, **reward_kwargs):
     if reward is not None and reward_kwargs:
       raise ValueError("pass either reward=RewardSpec(...) or reward keyword arguments, not both.")
+    unknown = sorted(set(reward_kwargs) - {f.name for f in dataclasses.fields(RewardSpec)})
+    if unknown:
+      raise TypeError(f"{type(self).__name__}: unknown parameter(s) {unknown}; reward weights are "
+                      f"the RewardSpec fields {[f.name for f in dataclasses.fields(RewardSpec)]}.")
     self.reward_spec = reward or RewardSpec(**reward_kwargs)
 
   # ------------------------------------------------------------------ what a subclass provides
@@ -222,12 +217,11 @@ class Environment(abc.ABC):
     new_milestones = reached & ~state.milestones
     success = terminated & ~violation & self.verify(state.task, inner)
     invalid = parse_failed | rejected
-    spec = self.reward_spec
-    reward = (spec.success_reward * success.astype(jnp.float32)
-              + spec.milestone_reward * new_milestones.sum().astype(jnp.float32)
-              - spec.invalid_penalty * invalid.astype(jnp.float32)
-              - spec.violation_penalty * violation.astype(jnp.float32)
-              + jnp.where(parse_failed, 0.0, jnp.asarray(out.shaping, jnp.float32)))
+    spec = self.reward_spec  # (envs/rewards.py; the step cost is 0 here, wrappers add it)
+    reward = (spec.success * success.astype(jnp.float32)
+              + spec.milestone * new_milestones.sum().astype(jnp.float32)
+              - spec.invalid * invalid.astype(jnp.float32)
+              - spec.violation * violation.astype(jnp.float32))
     step = state.step + 1
     timestep = TimeStep(
         observation=observation, reward=reward, terminated=terminated,

@@ -63,7 +63,7 @@ class Calculator(Environment):
     num_ops: steps N of train/test tasks (>= 1).
     ood_num_ops: steps of `ood` tasks (default 2N).
     max_value: the largest number (operands, intermediates, answers lie in [0, max_value]).
-    **reward: `RewardSpec` fields (success_reward, milestone_reward, invalid_penalty, ...).
+    **reward: `RewardSpec` fields (success, milestone, cost, invalid, violation; envs/rewards.py).
   """
 
   name = "calculator"

@@ -6,7 +6,7 @@ floor cell. The one tool is `move(direction)` with `direction` in (up, down, lef
 
 Dynamics of one move (the target cell is the neighbour in `direction`):
 * off the grid, into a wall, into the door without the key, or an unknown direction index: the move
-  is rejected (`Transition.rejected`: counted invalid, `invalid_penalty`), the agent stays and the
+  is rejected (`Transition.rejected`: counted invalid, the `invalid` penalty), the agent stays and the
   observation carries `INVALID_ARGUMENT` and the reason (`event`);
 * otherwise the agent moves there. Entering the key cell picks the key up (it disappears; the door
   is unlocked from then on, the key is never used up); entering a hole ends the episode (terminated,
@@ -107,7 +107,7 @@ class GridWorld(Environment):
     ood_min_length: shortest solution of `ood` tasks is at least this (default `max_length + 1`).
     candidates: layouts drawn per task; the first one meeting the length bounds is kept (if none
       does, the first layout, solvable all the same). Narrow bounds need more candidates.
-    **reward: `RewardSpec` fields (success_reward, milestone_reward, invalid_penalty, ...).
+    **reward: `RewardSpec` fields (success, milestone, cost, invalid, violation; envs/rewards.py).
   """
 
   name = "gridworld"

@@ -44,7 +44,7 @@ class PointerChain(Environment):
     horizon: hops N of train/test tasks (>= 1).
     ood_horizon: hops of `ood` tasks (default 2N).
     num_keys: store size (default `max(16, 2 * max hops + 2)`); keys are 0..num_keys-1.
-    **reward: `RewardSpec` fields (success_reward, milestone_reward, invalid_penalty, ...).
+    **reward: `RewardSpec` fields (success, milestone, cost, invalid, violation; envs/rewards.py).
   """
 
   name = "pointer_chain"

@@ -30,7 +30,7 @@ another user, the order's status does not allow it (cancel and address changes: 
 refund: delivered only), or the order was not confirmed first (confirm-before-writes: the policy
 must have read that order with `get_order` earlier in the episode). A forbidden write is a
 violation (`Transition.violation`; the base class stops the episode, never a success, with the
-`violation_penalty`); the observation has error NOT_ALLOWED and the reason. A permitted write that
+`violation` penalty); the observation has error NOT_ALLOWED and the reason. A permitted write that
 no request asked for is collateral damage: the episode goes on, but the final database differs from
 the target and the task fails.
 
@@ -129,7 +129,7 @@ class Retail(Environment):
     injection_rate: probability that a train/test task carries a prompt injection (an order note
       asking for a write no request asked for).
     ood_injection_rate: the same for `ood` tasks (default `injection_rate`).
-    **reward: `RewardSpec` fields (success_reward, milestone_reward, invalid_penalty, ...).
+    **reward: `RewardSpec` fields (success, milestone, cost, invalid, violation; envs/rewards.py).
   """
 
   name = "retail"

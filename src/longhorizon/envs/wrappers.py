@@ -200,7 +200,8 @@ class FaultInjection(Wrapper):
 
 
 class ToolCost(Wrapper):
-  """Adds `costs[tool name]` (default `default`) to the cost of each well-formed call."""
+  """Adds `costs[tool name]` (default `default`) to the cost of each well-formed call, and
+  `reward_spec.cost` times it to the step's penalty (the reward stays `RewardSpec`'s)."""
 
   def __init__(self, env: Environment, costs: Mapping[str, float], default: float = 0.0):
     super().__init__(env)
@@ -214,7 +215,8 @@ class ToolCost(Wrapper):
     tool = jnp.clip(jnp.asarray(action.tool, jnp.int32), 0, len(self.costs) - 1)
     well_formed = (jnp.asarray(action.error) == 0) & (action.tool >= 0) & (action.tool < len(self.costs))
     cost = jnp.where(well_formed & ~state.done, jnp.asarray(self.costs)[tool], 0.0)
-    timestep = timestep.replace(cost=timestep.cost + cost)
+    timestep = timestep.replace(cost=timestep.cost + cost,
+                                reward=timestep.reward - self.reward_spec.cost * cost)
     return finish_guard(state, new_state.replace(last=timestep), timestep)
 
 

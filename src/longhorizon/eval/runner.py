@@ -51,12 +51,13 @@ def records_from_rollout(batch, stats, attempts: int) -> dict[str, np.ndarray]:
 
 
 def evaluate(env, codec, tasks: Any, *, attempts: int, rollout_config: rollout.RolloutConfig,
-             policy: str = "model", params=None, model_config=None, seed: int = 0,
-             reward: rollout.RewardConfig | None = None) -> tuple[dict, dict]:
+             policy: str = "model", params=None, model_config=None, seed: int = 0
+             ) -> tuple[dict, dict]:
   """`(report, records)` of `attempts` rollouts of each of the `[T]` `tasks`.
 
   Args:
-    env, codec: the (wrapped) environment and its codec (the policy's tokenizer).
+    env, codec: the (wrapped) environment (its `reward_spec` is the reward) and its codec (the
+      policy's tokenizer).
     tasks: `[T]` task pytree.
     attempts: K rollouts per task (pass@k / pass^k need K >= k).
     rollout_config: sampling and budgets (its `group_size` is replaced by `attempts`).
@@ -79,8 +80,7 @@ def evaluate(env, codec, tasks: Any, *, attempts: int, rollout_config: rollout.R
     scripted = rollout.oracle_turns(env, codec, epsilon=1.0 if policy == "random" else 0.0,
                                     seed=seed)
   batch, stats = rollout.collect_across_processes(params, model_config, env, codec, tasks, keys, rc,
-                                                  sampling_seed=seed, reward=reward,
-                                                  scripted=scripted)
+                                                  sampling_seed=seed, scripted=scripted)
   records = records_from_rollout(batch, stats, attempts)
   report = metrics_lib.report(records, k_max=attempts, milestone_names=env.milestone_names)
   return report, records

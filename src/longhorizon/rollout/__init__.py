@@ -1,12 +1,12 @@
-"""The multi-turn rollout loop (host loop over the KV-cached sampler and batched environments),
-reward composition, and turn-by-turn rendering of recorded episodes."""
+"""The multi-turn rollout loop (host loop over the KV-cached sampler and batched environments) and
+turn-by-turn rendering of recorded episodes. Rewards are the environment's `RewardSpec`
+(`envs/rewards.py`)."""
 
 from longhorizon.rollout.collect import RolloutConfig, RolloutStats, collect, oracle_turns
 from longhorizon.rollout.multihost import allgather_rows, collect_across_processes, process_share
 from longhorizon.rollout.render import render_episode
-from longhorizon.rollout.rewards import RewardConfig, compose_rewards
 from longhorizon.rollout.versions import env_version, reward_version
 
-__all__ = ["RolloutConfig", "RolloutStats", "collect", "oracle_turns", "RewardConfig", "compose_rewards",
+__all__ = ["RolloutConfig", "RolloutStats", "collect", "oracle_turns",
            "render_episode", "collect_across_processes", "allgather_rows", "process_share",
            "env_version", "reward_version"]

@@ -12,7 +12,7 @@ import numpy as np
 
 from longhorizon.core.episode import EpisodeBatch, Termination, empty
 from longhorizon.envs.types import ErrorCode, TimeStep
-from longhorizon.rollout.rewards import RewardConfig, compose_rewards
+from longhorizon.envs.rewards import RewardSpec, compose_rewards
 
 __all__ = ["EpisodeBuffer"]
 
@@ -107,7 +107,7 @@ class EpisodeBuffer:
     self.batch.truncated[r] = True
     self.batch.termination[r] = kind
 
-  def finish(self, reward: RewardConfig, **episode) -> EpisodeBatch:
+  def finish(self, reward: RewardSpec, **episode) -> EpisodeBatch:
     """The finished `EpisodeBatch`: rewards composed by `reward`, positions, step counts, and the
     per-episode labels in `episode` (`[B]` arrays: group, versions, seeds)."""
     out = self.batch

@@ -52,7 +52,7 @@ from longhorizon.envs.testing import random_action
 from longhorizon.envs.types import row, to_numpy
 from longhorizon.models import ModelConfig, prepare_decode_params
 from longhorizon.rollout.buffer import EpisodeBuffer
-from longhorizon.rollout.rewards import RewardConfig
+from longhorizon.envs import RewardSpec
 from longhorizon.rollout.versions import env_version, reward_version
 
 __all__ = ["RolloutConfig", "RolloutStats", "collect", "oracle_turns"]
@@ -127,7 +127,7 @@ def _timed(stats: RolloutStats, field: str):
 
 def collect(params, model_config: ModelConfig, env: Environment, codec, tasks: Any,
             env_keys: jax.Array, config: RolloutConfig, *, sampling_seed: int,
-            reward: RewardConfig | None = None, policy_version: int = 0, task_seed: int = 0,
+            policy_version: int = 0, task_seed: int = 0,
             group_offset: int = 0, row_offset: int = 0, scripted=None,
             on_env_step=None) -> tuple[EpisodeBatch, RolloutStats]:
   """Runs `N` tasks x `G` rollouts and returns `(EpisodeBatch [N*G], RolloutStats)`.
@@ -135,7 +135,9 @@ def collect(params, model_config: ModelConfig, env: Environment, codec, tasks: A
   Args:
     params: policy parameters (`Transformer` params or `DecodeParams`).
     model_config: the policy's config.
-    env: the (possibly wrapped) environment; its fingerprint is recorded as `env_version`.
+    env: the (possibly wrapped) environment; its fingerprint is recorded as `env_version`. Its
+      `reward_spec` (`envs/rewards.py`) composes the step rewards and the episode score; its
+      fingerprint is recorded as `reward_version`.
     codec: `env.codec(tokenizer, style)`; its tokenizer must be the policy's.
     tasks: `[N]` task pytree.
     env_keys: `[N]` PRNG keys of the environment's own randomness; the `G` rollouts of a task share
@@ -143,8 +145,6 @@ def collect(params, model_config: ModelConfig, env: Environment, codec, tasks: A
     config: `RolloutConfig`.
     sampling_seed: seed of the policy's sampling; row `r` samples with
       `fold_in(key(seed), row_offset + r)`.
-    reward: how step rewards and the episode score are composed (default `RewardConfig()`); its
-      fingerprint is recorded as `reward_version`.
     policy_version, task_seed: recorded on every row.
     group_offset: added to the task index to form `group` labels (unique across batches).
     row_offset: index of this batch's first row in a larger batch it is a slice of (the share of
@@ -156,7 +156,7 @@ def collect(params, model_config: ModelConfig, env: Environment, codec, tasks: A
       the `[B]` bool rows that stepped; its time counts as environment time (the async benchmark
       sleeps there to simulate tool latency).
   """
-  reward, stats = reward or RewardConfig(), RolloutStats()
+  reward, stats = env.reward_spec, RolloutStats()
   n = jax.tree.leaves(tasks)[0].shape[0]
   task_of_row = np.repeat(np.arange(n), config.group_size)
   reset_fn, step_fn, info_fn = _env_fns(env)
@@ -319,7 +319,7 @@ def _append_observations(buffer: EpisodeBuffer, codec, config: RolloutConfig,
   return appended
 
 
-def _labels(env: Environment, reward: RewardConfig, group, rows_keys, *, policy_version: int,
+def _labels(env: Environment, reward: RewardSpec, group, rows_keys, *, policy_version: int,
             task_seed: int, sampling_seed: int) -> dict:
   """The per-episode labels of an `EpisodeBatch` (`[B]` arrays): group, versions and seeds."""
   b = len(group)

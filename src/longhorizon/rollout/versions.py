@@ -10,7 +10,7 @@ Both are `crc32(json) & 0x7FFFFFFF` (non-negative, fits `int32`) of a plain desc
   environments store only their parameters on `self`), the wrapped environment nested under `env`.
   Changing a parameter (`horizon`, a fault rate, a tool cost), a wrapper or the class's `version`
   string changes it; rebuilding the same environment does not.
-* `reward_version(config)`: the field values of the `RewardConfig`.
+* `reward_version(spec)`: the field values of the `RewardSpec` (envs/rewards.py).
 
 NumPy arrays enter as their dtype and values; a value with no plain form (e.g. a callable) enters as
 its type's qualified name only.
@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from longhorizon.envs import Environment
-from longhorizon.rollout.rewards import RewardConfig
+from longhorizon.envs.rewards import RewardSpec
 
 __all__ = ["env_version", "reward_version"]
 
@@ -36,9 +36,9 @@ def env_version(env: Environment) -> int:
   return _fingerprint(_describe(env))
 
 
-def reward_version(config: RewardConfig) -> int:
-  """The 31-bit fingerprint of `config`'s field values."""
-  return _fingerprint(_describe(config))
+def reward_version(spec: RewardSpec) -> int:
+  """The 31-bit fingerprint of `spec`'s field values."""
+  return _fingerprint(_describe(spec))
 
 
 def _fingerprint(description) -> int:

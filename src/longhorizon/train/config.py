@@ -17,6 +17,7 @@ import ml_collections
 from longhorizon import envs
 from longhorizon.envs.codec import STYLES
 from longhorizon.envs.wrappers import FAULT_KINDS
+from longhorizon.models import DECODE_KERNELS, registered_families
 from longhorizon.train.algorithms import ALGORITHMS, AlgorithmOptions
 from longhorizon.train.options import (COUNT as _COUNT, NON_NEGATIVE as _NON_NEGATIVE,
                                        NON_NEGATIVE_INT as _NON_NEGATIVE_INT,
@@ -33,6 +34,7 @@ SPECS: tuple[type[Options], ...] = (AlgorithmOptions, LossOptions, RolloutOption
 _CHOICES = {
     "env.style": STYLES,
     "model.dtype": ("float32", "bfloat16"),
+    "model.decode_kernel": DECODE_KERNELS,
     "eval.split": ("test", "ood", "train"),
 }
 
@@ -52,7 +54,7 @@ RANGES: dict[str, Range] = {
     "reward.success": _NON_NEGATIVE, "reward.milestone": _NON_NEGATIVE,
     "reward.cost": Range(float, 0, note="a weight: the step cost times it is subtracted"),
     "reward.invalid": Range(float, 0, note="a penalty: subtracted per malformed action"),
-    "reward.violation": Range(float, high=0, note="a violation is a failure"),
+    "reward.violation": Range(float, 0, note="a penalty: a violating episode is worth -violation"),
     "sft.steps": Range(int, 0, note="0 = no warm start"),
     "sft.episodes": _NON_NEGATIVE_INT,
     "sft.demo_epsilon": Range(float, 0, 1, note="probability of a random demonstrator action"),
@@ -71,7 +73,7 @@ RANGES: dict[str, Range] = {
 # (the typed sections' ranges, from their options classes, for the range tests and docs)
 RANGES.update({path: r for spec in SPECS for path, r in section_ranges(spec).items()})
 _BOOLS = ("tensorboard", "progress")
-_STRINGS = ("env.name", "model.checkpoint", "tasks.data_dir")
+_STRINGS = ("env.name", "model.checkpoint", "model.family", "tasks.data_dir")
 _MAPPINGS = ("env.params", "env.faults", "env.tool_costs")
 
 
@@ -143,6 +145,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
 
 def _check_model(m):
+  if m.family not in registered_families():
+    _fail("model.family", m.family, f"one of {registered_families()} (models.register_family adds one)")
   if m.hidden_size % m.num_attention_heads:
     _fail("model.num_attention_heads", m.num_attention_heads,
           f"a divisor of model.hidden_size={m.hidden_size}")

@@ -41,7 +41,6 @@ from longhorizon.core.episode import Termination, to_device
 from longhorizon.envs import tasks as task_suites
 from longhorizon.models import Critic, ModelConfig, Transformer, init_params, sharding, tiny_config
 from longhorizon.models import checkpoint as checkpoint_lib
-from longhorizon.rollout import RewardConfig
 from longhorizon.train import config as config_lib
 from longhorizon.train.algorithms import AlgorithmOptions, compute_advantages
 from longhorizon.train.metrics import Timer
@@ -62,8 +61,17 @@ def key(seed: int, *path: int) -> jax.Array:
 
 
 def make_env(config) -> envs.Environment:
-  """The configured environment with its wrappers (TimeLimit innermost)."""
-  env = envs.make(config.env.name, **dict(config.env.params))
+  """The configured environment with its wrappers (TimeLimit innermost); its reward is
+  `config.reward` (when the config has that section; `envs.RewardSpec` fields)."""
+  params = dict(config.env.params)
+  if "reward" in config:
+    clash = sorted(set(params) & {"reward", *config.reward.keys()})
+    if clash:
+      raise config_lib.ConfigError(
+          f"config.env.params sets {clash}: the reward weights are config.reward's "
+          f"(--config.reward.<field>=...), not environment parameters.")
+    params["reward"] = envs.RewardSpec(**config.reward)
+  env = envs.make(config.env.name, **params)
   env = envs.TimeLimit(env, config.env.max_steps)
   if config.env.faults and sum(config.env.faults.values()) > 0:
     env = envs.FaultInjection(env, dict(config.env.faults), tuple(config.env.env_error_kinds))
@@ -98,16 +106,18 @@ _critic_values = jax.jit(critic_values, static_argnames=("config",))
 def _policy(config, env) -> tuple[ModelConfig, Any, Any]:
   """`(model config, parameters, codec)`: a checkpoint's, or a fresh tiny decoder over the codec's
   own tokenizer."""
-  if config.model.checkpoint:
-    model_config, params, tokenizer = checkpoint_lib.load(config.model.checkpoint)
+  m = config.model
+  if m.checkpoint:  # its own family and shapes; the decode kernel is the config's
+    model_config, params, tokenizer = checkpoint_lib.load(m.checkpoint)
+    model_config = dataclasses.replace(model_config, decode_kernel=m.decode_kernel)
     return model_config, params, env.codec(tokenizer, config.env.style)
   codec = env.codec(None, config.env.style)
-  m = config.model
   model_config = dataclasses.replace(
       tiny_config(), vocab_size=len(codec.tokenizer), hidden_size=m.hidden_size,
       num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
       num_key_value_heads=m.num_key_value_heads, intermediate_size=m.intermediate_size,
-      head_dim=m.hidden_size // m.num_attention_heads, dtype=m.dtype)
+      head_dim=m.hidden_size // m.num_attention_heads, dtype=m.dtype, family=m.family,
+      decode_kernel=m.decode_kernel)
   return model_config, init_params(model_config, key(config.seed, 1)), codec
 
 
@@ -144,7 +154,7 @@ class Learner:
   eval_tasks: dict
   mesh: Any  # jax.sharding.Mesh when config.mesh has more than one device, else None
   rollout: RolloutOptions
-  reward: RewardConfig
+  reward: envs.RewardSpec  # the environment's reward_spec (from config.reward)
   algorithm: AlgorithmOptions
   loss: LossOptions  # its `agg` resolved ("" -> the algorithm's default)
   optim: OptimOptions
@@ -195,12 +205,16 @@ class Learner:
       critic_optimizer = make_optimizer(optim.critic_learning_rate,
                                         max_grad_norm=optim.max_grad_norm)
     return cls(config=config, rollout=RolloutOptions.from_config(config),
-               reward=RewardConfig(**config.reward), algorithm=algorithm, loss=loss, optim=optim,
+               reward=parts["env"].reward_spec, algorithm=algorithm, loss=loss, optim=optim,
                optimizer=optimizer, critic_optimizer=critic_optimizer, **parts)
 
   def with_config(self, config, **parts) -> "Learner":
     """This learner's environment, codec, tasks, model and mesh under another config (e.g. another
     algorithm): new options, optimisers and jitted update. `parts` replace parts (`init_params`)."""
+    for section in ("env", "reward", "tasks", "model", "mesh"):
+      if config[section].to_dict() != self.config[section].to_dict():
+        raise ValueError(f"Learner.with_config keeps the environment, tasks, model and mesh; "
+                         f"config.{section} differs: build a new Learner for it.")
     keep = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
             if f.name in ("env", "codec", "model_config", "init_params", "train_tasks",
                           "eval_tasks", "mesh")}
@@ -253,7 +267,7 @@ class Learner:
           params, self.model_config, self.env, self.codec, tasks,
           jax.random.split(key(c.seed, 5, update), n),
           self.rollout.collect_config(c.env.max_steps), sampling_seed=c.seed * 1_000_003 + update,
-          reward=self.reward, policy_version=update if policy_version is None else policy_version,
+          policy_version=update if policy_version is None else policy_version,
           task_seed=c.tasks.seed, group_offset=update * n, **extra)
 
   def logprobs(self, params, batch, *, temperature: float | None = None):
@@ -366,7 +380,7 @@ class Learner:
         jax.random.split(key(seed, 7), n),
         self.rollout.collect_config(self.config.env.max_steps, group_size=group_size,
                                     temperature=temperature),
-        sampling_seed=seed, reward=self.reward)
+        sampling_seed=seed)
     return {"success_rate": float(np.mean(batch.success)),
             "mean_steps": float(np.mean(batch.num_steps)),
             "truncation_rate": float(np.mean(batch.truncated)),

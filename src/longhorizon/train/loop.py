@@ -77,7 +77,7 @@ def _evaluate_both(s: Learner, params, seed: int, full: bool = False) -> dict:
   report, _ = runner.evaluate(s.env, s.codec, tasks, attempts=c.eval.k,
                               rollout_config=s.rollout.collect_config(c.env.max_steps),
                               policy="model", params=params, model_config=s.model_config,
-                              seed=seed, reward=s.reward)
+                              seed=seed)
   report["greedy_success_rate"] = greedy["success_rate"]
   return report
 
