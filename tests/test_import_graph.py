@@ -357,3 +357,61 @@ def test_cycle_marked_imports_are_allowed_cycle_edges():
   assert edges <= ALLOWED_CYCLE_EDGES, (
       f"`# cycle:` imports whose edge is not in ALLOWED_CYCLE_EDGES: {sorted(edges - ALLOWED_CYCLE_EDGES)}")
 
+
+
+# The host loop is the only place model, sampler and environment meet (shared/DESIGN.md, Layout):
+# only it runs the sampler, and only the layers that build a run (the host loop, the learner and
+# its drivers, the studies) import both a model and an environment.
+SAMPLER_USERS = ("rollout",)
+MODEL_AND_ENV_USERS = ("rollout", "train", "studies")
+
+
+def test_only_the_host_loop_runs_the_sampler():
+  graph = import_graph()
+  bad = sorted(f"{source} -> {target}" for source, targets in graph.items()
+               for target in targets if layer(target) == "sampling"
+               and layer(source) not in SAMPLER_USERS + ("sampling",))
+  assert not bad, f"only {SAMPLER_USERS} may import the sampler: {bad}"
+
+
+def test_model_and_environment_meet_only_where_a_run_is_built():
+  graph = import_graph()
+  bad = sorted(source for source, targets in graph.items()
+               if {"models", "envs"} <= {layer(t) for t in targets}
+               and layer(source) not in MODEL_AND_ENV_USERS)
+  assert not bad, f"modules importing both models and envs outside {MODEL_AND_ENV_USERS}: {bad}"
+
+
+# Every driver (sync loop, async pipeline, studies, notebooks) trains through the one learner
+# (`train/learner.py`); only it and the module defining them call the update functions.
+UPDATE_FUNCTIONS = {"rl_update", "jit_rl_update", "sft_update", "compute_advantages"}
+UPDATE_OWNERS = {"longhorizon.train.update", "longhorizon.train.learner",
+                 "longhorizon.train.algorithms"}
+
+
+def _names_used(source: str) -> set[str]:
+  tree = ast.parse(source)
+  names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+  names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+  names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+  return names
+
+
+def test_every_driver_trains_through_the_learner():
+  bad = {}
+  for path in sorted((SRC / PACKAGE).rglob("*.py")):
+    module = ".".join(path.relative_to(SRC).with_suffix("").parts)
+    used = _names_used(path.read_text(encoding="utf-8")) & UPDATE_FUNCTIONS
+    if used and module not in UPDATE_OWNERS:
+      bad[module] = sorted(used)
+  for path in sorted((SRC.parent / "notebooks").glob("*.ipynb")):
+    text = path.read_text(encoding="utf-8")
+    used = {name for name in UPDATE_FUNCTIONS if f"{name}(" in text}
+    if used:
+      bad[path.name] = sorted(used)
+  assert not bad, f"call the learner (Learner.step / learn / update), not its parts: {bad}"
+
+
+def test_the_driver_check_sees_a_copied_update(tmp_path):
+  assert {"rl_update", "jit_rl_update"} <= _names_used(
+      "from longhorizon.train.update import jit_rl_update\nf = jit_rl_update\nrl_update(1)\n")
