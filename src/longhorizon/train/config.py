@@ -15,6 +15,7 @@ import jax
 import ml_collections
 
 from longhorizon import envs
+from longhorizon.envs.base import SPLITS
 from longhorizon.envs.codec import STYLES
 from longhorizon.envs.wrappers import FAULT_KINDS
 from longhorizon.models import DECODE_KERNELS, registered_families
@@ -35,7 +36,7 @@ _CHOICES = {
     "env.style": STYLES,
     "model.dtype": ("float32", "bfloat16"),
     "model.decode_kernel": DECODE_KERNELS,
-    "eval.split": ("test", "ood", "train"),
+    "eval.split": SPLITS,
 }
 
 
