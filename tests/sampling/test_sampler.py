@@ -437,3 +437,12 @@ def test_decode_requires_keys_unless_greedy(model):
   with_none = decode(model, copy_cache(cache), logits, None, GREEDY)
   with_keys = decode(model, cache, logits, smp.per_row_keys(0, np.arange(4)), GREEDY)
   np.testing.assert_array_equal(with_none.tokens, with_keys.tokens)
+
+
+def test_pad_rows_by_hand():
+  tokens, lengths = smp.pad_rows([[5, 6, 7], [1]], minimum=2)
+  np.testing.assert_array_equal(tokens, [[5, 6, 7, 0], [1, 0, 0, 0]])  # next power of two: 4
+  np.testing.assert_array_equal(lengths, [3, 1])
+  assert smp.pad_rows([[1] * 9], minimum=8)[0].shape == (1, 16)
+  assert smp.pad_rows([[1] * 9], minimum=8, maximum=12)[0].shape == (1, 12)
+  assert smp.pad_rows([[1]])[0].shape == (1, 16)  # generate's minimum width

@@ -239,7 +239,7 @@ class _ModelPolicy:
     self.model_config, self.length = model_config, config.context_length
     self.row_keys = sampler.per_row_keys(sampling_seed, row_offset + np.arange(len(prompts)))
     self.rule = config.sampling(codec.stop_token_ids)
-    tokens, lengths = _pad_rows(prompts, self.length)
+    tokens, lengths = sampler.pad_rows(prompts, minimum=8, maximum=self.length)
     self.cache, self.last_logits = sampler.prefill(self.params, model_config, tokens, lengths,
                                                    self.length)
 
@@ -253,7 +253,7 @@ class _ModelPolicy:
 
   def extend(self, observations: list[list[int]]) -> None:
     """Appends each row's observation ids (`[]` for none) to the cache."""
-    tokens, lengths = _pad_rows(observations, self.length)
+    tokens, lengths = sampler.pad_rows(observations, minimum=8, maximum=self.length)
     self.cache, self.last_logits = sampler.extend(self.params, self.model_config, self.cache,
                                                   tokens, lengths, self.last_logits)
 
@@ -339,20 +339,6 @@ def _unknown_count(codec, ids, text) -> int:
   if unk is None or unk not in ids:
     return 0
   return len(codec.unknown_words(text()))
-
-
-def _pad_rows(rows: list, length: int) -> tuple[np.ndarray, np.ndarray]:
-  """`(tokens [B, W] int32, lengths [B] int32)`: `rows` right-padded with 0 to a power-of-two width
-  `W` (at least 8, at most the context `length`), so few widths compile. A local twin of the
-  sampler's private `_bucket` padding in `generate`, whose minimum width is 16."""
-  longest = max(len(r) for r in rows)
-  width = min(max(8, 1 << (max(longest, 1) - 1).bit_length()), length)
-  tokens = np.zeros((len(rows), width), np.int32)
-  lengths = np.zeros((len(rows),), np.int32)
-  for i, r in enumerate(rows):
-    tokens[i, :len(r)] = r
-    lengths[i] = len(r)
-  return tokens, lengths
 
 
 def oracle_turns(env: Environment, codec, epsilon: float = 0.0, seed: int = 0):

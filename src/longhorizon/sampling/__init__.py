@@ -2,9 +2,9 @@
 
 from longhorizon.sampling.sampler import (PAD_OUTPUT_ID, DecodeResult, SamplingParams,
                                           apply_temperature, decode, extend, generate, overflowed,
-                                          per_row_keys, prefill, process_logits, sample_tokens,
+                                          pad_rows, per_row_keys, prefill, process_logits, sample_tokens,
                                           top_k_mask, top_p_mask)
 
 __all__ = ["SamplingParams", "DecodeResult", "prefill", "extend", "decode", "generate",
-           "per_row_keys", "overflowed", "apply_temperature", "top_k_mask", "top_p_mask",
-           "process_logits", "sample_tokens", "PAD_OUTPUT_ID"]
+           "pad_rows", "per_row_keys", "overflowed", "apply_temperature", "top_k_mask",
+           "top_p_mask", "process_logits", "sample_tokens", "PAD_OUTPUT_ID"]

@@ -54,8 +54,8 @@ from longhorizon.models.config import ModelConfig
 from longhorizon.models.families import DecodeCache, family
 
 __all__ = ["SamplingParams", "DecodeResult", "prefill", "extend", "decode", "generate",
-           "per_row_keys", "overflowed", "apply_temperature", "top_k_mask", "top_p_mask",
-           "process_logits", "sample_tokens", "PAD_OUTPUT_ID"]
+           "pad_rows", "per_row_keys", "overflowed", "apply_temperature", "top_k_mask",
+           "top_p_mask", "process_logits", "sample_tokens", "PAD_OUTPUT_ID"]
 
 _F32 = jnp.float32
 PAD_OUTPUT_ID = 0  # id written to `DecodeResult.tokens` past a row's length (its logprob is 0)
@@ -532,9 +532,18 @@ def _decode_step(s: _DecodeState, *, params, config: ModelConfig, keys, sampling
 # Convenience entry point.
 
 
-def _bucket(n: int, minimum: int = 16) -> int:
-  """Next power of two `>= n` (at least `minimum`): few distinct prompt widths, few compilations."""
-  return max(minimum, 1 << (n - 1).bit_length())
+def pad_rows(rows: Sequence[Sequence[int]], *, minimum: int = 16, maximum: int | None = None
+             ) -> tuple[np.ndarray, np.ndarray]:
+  """`(tokens [B, W] int32, lengths [B] int32)`: `rows` right-padded with 0 to the next power of
+  two `W >= ` the longest row (at least `minimum`, at most `maximum`): few distinct widths, few
+  compilations of `prefill` / `extend`."""
+  width = max(minimum, 1 << (max(max(len(r) for r in rows), 1) - 1).bit_length())
+  width = width if maximum is None else min(width, maximum)
+  tokens = np.zeros((len(rows), width), np.int32)
+  lengths = np.array([len(r) for r in rows], np.int32)
+  for i, r in enumerate(rows):
+    tokens[i, :len(r)] = r
+  return tokens, lengths
 
 
 def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]],
@@ -559,11 +568,8 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]],
     if bad:
       raise ValueError(f"prompt {i} has token ids {bad[:5]} outside [0, vocab_size={config.vocab_size}).")
     rows.append(ids)
-  width = _bucket(max(len(r) for r in rows))
-  tokens = np.zeros((len(rows), width), np.int32)
-  lengths = np.array([len(r) for r in rows], np.int32)
-  for i, r in enumerate(rows):
-    tokens[i, :len(r)] = r
+  tokens, lengths = pad_rows(rows)
+  width = tokens.shape[1]
   params = family(config).prepare_decode_params(params, config)
   cache, last_logits = prefill(params, config, tokens, lengths, width + sampling.max_new_tokens)
   keys = per_row_keys(seed, np.arange(len(rows)))
