@@ -8,6 +8,10 @@ events (`jax.monitoring`, names under `/jax/core/compile/`: one `jaxpr_trace_dur
 trace, one `backend_compile_duration` per XLA compile) rather than reading jit's private cache.
 `chex.assert_max_traces` cannot be used here: it must wrap the Python function before `jax.jit`, and
 the functions under test are the library's own module-level jitted functions.
+
+JAX runs with `jax_numpy_rank_promotion='raise'` in tests (also exported to the environment, so the
+subprocesses tests start inherit it): a broadcast between arrays of different ranks must be written
+out (`x[:, None]`, `jnp.broadcast_to`).
 """
 
 import contextlib
@@ -15,10 +19,13 @@ import os
 
 # Tests run on the CPU; a fixed device count keeps sharded tests meaningful where they run in-process.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["JAX_NUMPY_RANK_PROMOTION"] = "raise"  # no implicit broadcasts between ranks (docstring)
 
 import jax
 import numpy as np
 import pytest
+
+jax.config.update("jax_numpy_rank_promotion", "raise")  # in case jax was imported before this file
 
 # Prefix of the duration events JAX records for each trace, lowering and backend compile of a jit.
 _COMPILE_EVENTS = "/jax/core/compile/"

@@ -1,7 +1,9 @@
 """The shared fixtures of tests/conftest.py check what they claim: `assert_no_retrace` passes for
-repeated calls of one shape and fails when the jitted function is traced again."""
+repeated calls of one shape and fails when the jitted function is traced again; implicit rank
+promotion raises."""
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -38,3 +40,10 @@ def test_no_retrace_fails_for_a_new_dtype(assert_no_retrace):
 def test_no_retrace_rejects_a_function_that_is_not_jitted(assert_no_retrace):
   with pytest.raises(AssertionError, match="is not a jax.jit-wrapped function"):
     assert_no_retrace(lambda x: x, ((1,), {}), ((2,), {}))
+
+
+def test_implicit_rank_promotion_raises_here_and_in_subprocesses():
+  with pytest.raises(ValueError, match="jax_numpy_rank_promotion='raise'"):
+    jnp.ones((3,)) + jnp.ones((2, 3))
+  np.testing.assert_array_equal(jnp.ones((3,))[None, :] + jnp.ones((2, 3)), np.full((2, 3), 2.0))
+  assert os.environ["JAX_NUMPY_RANK_PROMOTION"] == "raise"  # what subprocesses of tests inherit
