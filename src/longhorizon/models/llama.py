@@ -140,7 +140,8 @@ def rope_frequencies(config: ModelConfig) -> np.ndarray:
 def rope_tables(positions, config: ModelConfig):
   """`(cos, sin)`, each `[B, T, 1, hd]` float32, for `positions [B, T]`; computed once per forward
   pass and shared by every layer."""
-  freqs = positions.astype(_F32)[..., None] * jnp.asarray(rope_frequencies(config))  # [B, T, hd/2]
+  inv_freq = jnp.asarray(rope_frequencies(config))  # [hd/2]
+  freqs = positions.astype(_F32)[..., None] * inv_freq.reshape((1,) * positions.ndim + (-1,))
   emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
   return jnp.cos(emb), jnp.sin(emb)
 
@@ -177,7 +178,7 @@ def _rms_norm(x, scale, eps):
   """RMSNorm in float32, returned in `x`'s dtype (shared by `RMSNorm` and `cached_forward`)."""
   x32 = x.astype(_F32)
   y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return (y * scale.astype(_F32)).astype(x.dtype)
+  return (y * scale.astype(_F32).reshape((1,) * (y.ndim - 1) + (-1,))).astype(x.dtype)
 
 
 class Attention(nn.Module):
@@ -370,7 +371,7 @@ def _cached_block(w, config: ModelConfig, x, layer_k, layer_v, rope, mask, slots
   y = _rms_norm(x, w["input_norm"], config.rms_norm_eps)
   qkv = jnp.dot(y, w["qkv"])
   if w["qkv_bias"] is not None:
-    qkv = qkv + w["qkv_bias"]
+    qkv = qkv + w["qkv_bias"][None, None, :]
   qk = _apply_rope(qkv[..., :(h + kv) * hd].reshape(b, t, h + kv, hd), rope)  # one pass for q and k
   q, k = qk[:, :, :h], qk[:, :, h:]
   v = qkv[..., (h + kv) * hd:].reshape(b, t, kv, hd)
