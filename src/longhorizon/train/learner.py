@@ -154,7 +154,6 @@ class Learner:
   eval_tasks: dict
   mesh: Any  # jax.sharding.Mesh when config.mesh has more than one device, else None
   rollout: RolloutOptions
-  reward: envs.RewardSpec  # the environment's reward_spec (from config.reward)
   algorithm: AlgorithmOptions
   loss: LossOptions  # its `agg` resolved ("" -> the algorithm's default)
   optim: OptimOptions
@@ -204,9 +203,9 @@ class Learner:
     if algorithm.spec.needs_critic:
       critic_optimizer = make_optimizer(optim.critic_learning_rate,
                                         max_grad_norm=optim.max_grad_norm)
-    return cls(config=config, rollout=RolloutOptions.from_config(config),
-               reward=parts["env"].reward_spec, algorithm=algorithm, loss=loss, optim=optim,
-               optimizer=optimizer, critic_optimizer=critic_optimizer, **parts)
+    return cls(config=config, rollout=RolloutOptions.from_config(config), algorithm=algorithm,
+               loss=loss, optim=optim, optimizer=optimizer, critic_optimizer=critic_optimizer,
+               **parts)
 
   def with_config(self, config, **parts) -> "Learner":
     """This learner's environment, codec, tasks, model and mesh under another config (e.g. another
@@ -219,6 +218,11 @@ class Learner:
             if f.name in ("env", "codec", "model_config", "init_params", "train_tasks",
                           "eval_tasks", "mesh")}
     return Learner.from_parts(config_lib.validate(config), **{**keep, **parts})
+
+  @property
+  def reward(self) -> envs.RewardSpec:
+    """The run's reward: its environment's `reward_spec` (built from `config.reward`)."""
+    return self.env.reward_spec
 
   def in_mesh(self):
     """A context with the run's mesh and logical-axis rules active (a no-op on one device)."""
