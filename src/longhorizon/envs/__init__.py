@@ -1,4 +1,4 @@
-"""JAX-batched multi-turn environments, their text codecs, wrappers and task suites.
+"""Multi-turn environments: JAX-batched ones, plain-Python host ones (`host.py`), codecs, wrappers.
 
 `make(name, **params)` builds an environment named by its registered name (`registered()` lists
 them) or by import path, `"package.module:Class"` (a user's environment outside the library: its
@@ -15,11 +15,13 @@ from typing import Callable
 from longhorizon.envs.base import Environment, Transition, batch_reset, batch_step, stack_actions
 from longhorizon.envs.rewards import RewardSpec, compose_rewards
 from longhorizon.envs.codec import Codec, default_tokenizer
+from longhorizon.envs.host import HostEnvironment, Observation, StepResult, is_host
 from longhorizon.envs.wrappers import FAULT_KINDS, FaultInjection, LoopDetector, TimeLimit, ToolCost, Wrapper
 from longhorizon.envs.types import (ERROR_MESSAGES, Action, Arg, EnvState, ErrorCode, TimeStep, Tool,
                                     hash_tree, row, to_numpy)
 
-__all__ = ["make", "register", "registered", "resolve", "Environment", "RewardSpec", "compose_rewards", "Transition",
+__all__ = ["make", "register", "registered", "resolve", "Environment", "HostEnvironment",
+           "Observation", "StepResult", "is_host", "RewardSpec", "compose_rewards", "Transition",
            "Codec", "default_tokenizer", "Action", "Arg", "Tool", "EnvState", "ErrorCode",
            "ERROR_MESSAGES", "TimeStep", "hash_tree", "row", "to_numpy", "batch_reset",
            "batch_step", "stack_actions", "Wrapper", "TimeLimit", "FaultInjection", "ToolCost",
@@ -31,6 +33,10 @@ _REGISTRY: dict[str, str | Callable[..., Environment]] = {
     "gridworld": "longhorizon.envs.gridworld:GridWorld",
     "calculator": "longhorizon.envs.calculator:Calculator",
     "retail": "longhorizon.envs.retail:Retail",
+    # Host (plain-Python) environments (`envs/host.py`), stepped by `envs/pool.py`.
+    "textworld": "longhorizon.envs.textworld_games:TextWorldGames",
+    "back_office": "longhorizon.envs.back_office:BackOffice",
+    "code_sandbox": "longhorizon.envs.code_sandbox:CodeSandbox",
 }
 
 
@@ -67,13 +73,15 @@ def _import(path: str, name: str) -> Callable[..., Environment]:
   for part in attribute.split("."):
     if not hasattr(obj, part):
       found = sorted(k for k, v in vars(module).items()
-                     if isinstance(v, type) and issubclass(v, Environment) and v is not Environment)
+                     if isinstance(v, type) and issubclass(v, (Environment, HostEnvironment))
+                     and v not in (Environment, HostEnvironment))
       raise ValueError(f"environment {name!r}: module {module_name!r} ({module.__file__}) has no "
                        f"attribute {attribute!r}; Environment classes in it: {found}.")
     obj = getattr(obj, part)
-  if isinstance(obj, type) and not issubclass(obj, Environment):
+  if isinstance(obj, type) and not issubclass(obj, (Environment, HostEnvironment)):
     raise ValueError(f"environment {name!r}: {obj.__module__}.{obj.__qualname__} is not a subclass "
-                     "of longhorizon.envs.Environment; name the environment class.")
+                     "of longhorizon.envs.Environment or longhorizon.envs.host.HostEnvironment; "
+                     "name the environment class.")
   if not callable(obj):
     raise ValueError(f"environment {name!r}: {attribute!r} is a {type(obj).__name__}, not an "
                      "Environment class or a factory returning one.")
@@ -95,11 +103,12 @@ def resolve(name: str) -> Callable[..., Environment]:
                    "outside the library is named by import path, 'package.module:Class'.")
 
 
-def make(name: str, **params) -> Environment:
+def make(name: str, **params) -> Environment | HostEnvironment:
   """Builds the environment `name` (registered, or `"package.module:Class"`) with constructor
-  `params`; raises `ValueError` if the factory does not return an `Environment`."""
+  `params`: a JAX `Environment` or a plain-Python `HostEnvironment` (`envs/host.py`); raises
+  `ValueError` if the factory returns neither."""
   env = resolve(name)(**params)
-  if not isinstance(env, Environment):
+  if not isinstance(env, (Environment, HostEnvironment)):
     raise ValueError(f"environment {name!r}: the factory returned a {type(env).__name__}, not a "
-                     "longhorizon.envs.Environment.")
+                     "longhorizon.envs.Environment or longhorizon.envs.host.HostEnvironment.")
   return env

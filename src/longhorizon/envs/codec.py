@@ -49,7 +49,7 @@ from longhorizon.envs.types import ERROR_MESSAGES, Action, ErrorCode
 from longhorizon.text import (chat_text, char_tokenizer, parse_tool_call, unknown_words,
                               word_level_tokenizer)
 
-__all__ = ["Codec", "STYLES", "default_tokenizer", "ACT", "EOT", "BOS"]
+__all__ = ["Codec", "STYLES", "default_tokenizer", "observation_frame", "ACT", "EOT", "BOS"]
 
 STYLES = ("compact", "tool_call")
 BOS, ACT, EOT = "<bos>", "<act>", "<eot>"
@@ -126,7 +126,8 @@ class Codec:
     else:
       self.end_of_turn = EOT
     self.stop_token_ids = tuple(self.tokenizer.convert_tokens_to_ids([self.end_of_turn]))
-    self._observation_frame = self._frame_observation() if self.chat else None
+    self._observation_frame = (observation_frame(
+        self.tokenizer, style, self.tool_schemas, self.end_of_turn) if self.chat else None)
 
   # ----------------------------------------------------------------------------- rendering
   def usage(self) -> str:
@@ -185,20 +186,6 @@ class Codec:
     """Token ids appended after the policy's turn: the observation and the cue for the next action.
     Only the new text is tokenised."""
     return self._encode(self.observation_turn_text(timestep, message))
-
-  def _frame_observation(self) -> tuple[str, str]:
-    role = "tool" if self.style == "tool_call" else "user"
-    tools = self.tool_schemas if self.style == "tool_call" else None
-    base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-            {"role": "assistant", "content": _MARK}]
-    full = chat_text(self.tokenizer, base + [{"role": role, "content": _MARK}], tools,
-                     add_generation_prompt=True)
-    first = full.index(_MARK) + len(_MARK)
-    second = full.index(_MARK, first)
-    before, after = full[first:second], full[second + len(_MARK):]
-    if before.startswith(self.end_of_turn):  # the policy's sampled stop token already wrote it
-      before = before[len(self.end_of_turn):]
-    return before, after
 
   def _encode(self, text: str) -> list[int]:
     return self.tokenizer.encode(text, add_special_tokens=False)
@@ -300,6 +287,23 @@ class Codec:
         return self._fail(ErrorCode.BAD_ARGUMENT, problem)
       values.append(value)
     return Action.make(index, values, self.env.num_args), True, ""
+
+
+def observation_frame(tokenizer, style: str, tool_schemas, end_of_turn: str) -> tuple[str, str]:
+  """`(before, after)`: the chat template's text around an observation turn that follows the
+  policy's end-of-turn token (a `tool` message in tool_call style, a `user` message in compact)."""
+  role = "tool" if style == "tool_call" else "user"
+  tools = tool_schemas if style == "tool_call" else None
+  base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+          {"role": "assistant", "content": _MARK}]
+  full = chat_text(tokenizer, base + [{"role": role, "content": _MARK}], tools,
+                   add_generation_prompt=True)
+  first = full.index(_MARK) + len(_MARK)
+  second = full.index(_MARK, first)
+  before, after = full[first:second], full[second + len(_MARK):]
+  if before.startswith(end_of_turn):  # the policy's sampled stop token already wrote it
+    before = before[len(end_of_turn):]
+  return before, after
 
 
 def _json_int(literal: str):
