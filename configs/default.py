@@ -21,7 +21,7 @@ import ml_collections
 from longhorizon.envs import RewardSpec
 from longhorizon.models import sharding
 from longhorizon.train.algorithms import AlgorithmOptions
-from longhorizon.train.options import OptimOptions, RolloutOptions, as_config
+from longhorizon.train.options import OptimOptions, PoolOptions, RolloutOptions, as_config
 from longhorizon.train.policy_losses import LossOptions
 
 
@@ -79,6 +79,10 @@ def get_config(arg=None):
   # The RL optimiser and update schedule (`longhorizon.train.options.OptimOptions`: AdamW, lr
   # schedule, epochs x minibatches per batch).
   config.optim = as_config(OptimOptions)
+  # How a host (plain-Python) environment's rows are stepped (`longhorizon.train.options.PoolOptions`:
+  # threads or processes, per-call timeout, retries, rate limits, circuit breaker, call recording).
+  # JAX environments ignore it.
+  config.pool = as_config(PoolOptions)
 
   # SFT warm start on oracle episodes (steps = 0: no warm start).
   config.sft = ml_collections.ConfigDict()

@@ -20,7 +20,7 @@ from longhorizon.envs.pointer_chain import PointerChain
 from longhorizon.models import checkpoint
 from longhorizon.text import tokenizer_from_gguf
 
-NAMES = envs.registered()
+NAMES = envs.registered("jax")  # host environments: tests/envs/test_host_*.py
 STYLES = ("compact", "tool_call")
 END_MARKERS = ("<eot>", "<|endoftext|>")
 

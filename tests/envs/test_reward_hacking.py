@@ -237,7 +237,7 @@ def _batched(name):
   return env, jax.jit(jax.vmap(env.reset)), jax.jit(jax.vmap(env.step))
 
 
-@pytest.mark.parametrize("name", envs.registered())
+@pytest.mark.parametrize("name", envs.registered("jax"))
 @pytest.mark.parametrize("style", STYLES)
 def test_success_words_earn_nothing(name, style):
   env, reset, step = _batched(name)

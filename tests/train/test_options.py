@@ -45,6 +45,10 @@ def _other_values(field: dataclasses.Field):
     return [c for c in (choices() if callable(choices) else choices) if c != default]
   if isinstance(default, bool):
     return [not default]
+  if isinstance(default, str):  # free text (a path)
+    return [default + "elsewhere.jsonl"]
+  if isinstance(default, tuple):  # pairs, e.g. pool.tool_rate_limits
+    return [(("refund", 2.0),)]
   valid = meta["range"]
   if valid.kind is int:
     raw = [default * 2, default + 1, default - 1, int(valid.low) if valid.low > -math.inf else 0]

@@ -50,9 +50,15 @@ def register(name: str, factory: Callable[..., Environment], overwrite: bool = F
   _REGISTRY[name] = factory
 
 
-def registered() -> list[str]:
-  """The registered environment names (import paths are accepted by `make` besides these)."""
-  return sorted(_REGISTRY)
+def registered(kind: str | None = None) -> list[str]:
+  """The registered environment names (import paths are accepted by `make` besides these); with
+  `kind` "jax" or "host", only the JAX-batched or the plain-Python ones (their classes are
+  imported to tell)."""
+  if kind is None:
+    return sorted(_REGISTRY)
+  if kind not in ("jax", "host"):
+    raise ValueError(f"kind must be None, 'jax' or 'host', got {kind!r}.")
+  return sorted(n for n in _REGISTRY if is_host(resolve(n)) == (kind == "host"))
 
 
 def _import(path: str, name: str) -> Callable[..., Environment]:

@@ -38,8 +38,10 @@ import re
 import zlib
 from typing import Any, Sequence
 
+from longhorizon.envs.host_codec import HostCodec
 from longhorizon.envs.rewards import RewardSpec
 from longhorizon.envs.types import ERROR_MESSAGES, ErrorCode
+from longhorizon.text import parse_tool_call
 
 __all__ = ["HostEnvironment", "Observation", "StepResult", "Call", "parse_call", "invalid_action",
            "tool", "is_host"]
@@ -159,7 +161,6 @@ class HostEnvironment:
     return int(task.get("difficulty", 0))
 
   def codec(self, tokenizer=None, style: str = "compact"):
-    from longhorizon.envs.host_codec import HostCodec  # host_codec imports this module
     return HostCodec(self, tokenizer, style)
 
   @property
@@ -249,7 +250,6 @@ def parse_call(text: str, tools: Sequence[dict], style: str = "tool_call") -> Ca
 
 
 def _parse_json_call(text: str, by_name: dict) -> Call:
-  from longhorizon.text import parse_tool_call
   call, message = parse_tool_call(text)
   if call is None:
     if message.startswith("no <tool_call>") or message.startswith("tool call must be text"):

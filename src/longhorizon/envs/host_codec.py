@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 
 from longhorizon.envs.codec import _CODEC_WORDS, ACT, BOS, EOT, STYLES, observation_frame
-from longhorizon.envs.host import HostEnvironment
 from longhorizon.text import char_tokenizer, chat_text, unknown_words, word_level_tokenizer
 
 __all__ = ["HostCodec", "host_default_tokenizer"]
@@ -28,7 +27,7 @@ def _tokenizer(words: tuple[str, ...] | None):
   return word_level_tokenizer(list(words), special_tokens=specials, extra_special_tokens=[ACT])
 
 
-def host_default_tokenizer(env: HostEnvironment, style: str = "compact"):
+def host_default_tokenizer(env, style: str = "compact"):
   """Word-level over `env.vocabulary()` (and the codec's words) in compact style when the
   environment lists its words; byte-level otherwise."""
   if style not in STYLES:
@@ -42,7 +41,7 @@ def host_default_tokenizer(env: HostEnvironment, style: str = "compact"):
 class HostCodec:
   """Frames and tokenises a host environment's text (see the module docstring)."""
 
-  def __init__(self, env: HostEnvironment, tokenizer=None, style: str = "compact"):
+  def __init__(self, env, tokenizer=None, style: str = "compact"):
     if style not in STYLES:
       raise ValueError(f"style must be one of {STYLES}, got {style!r}.")
     self.env, self.style = env, style

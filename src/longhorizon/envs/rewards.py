@@ -44,12 +44,14 @@ class RewardSpec:
 
 
 def compose_rewards(spec: RewardSpec, *, step_mask, milestones, cost, violation, invalid,
-                    success, num_milestones: int) -> dict:
+                    success, num_milestones: int, env_reward=None) -> dict:
   """`{"step_rewards": [B, S], "score": [B], "reward/<component>": [B] ...}` (NumPy).
 
   Args:
     step_mask: `[B, S]` steps that happened. milestones: `[B, S]` int bitmask of first-time
     milestones. cost: `[B, S]`. violation, invalid: `[B, S]` bool. success: `[B]` bool.
+    env_reward: optional `[B, S]`, a host environment's own step rewards (`StepResult.reward`),
+      added as the component `reward/env` (JAX environments have none).
   """
   step_mask = np.asarray(step_mask, bool)
   b, s = step_mask.shape
@@ -64,6 +66,8 @@ def compose_rewards(spec: RewardSpec, *, step_mask, milestones, cost, violation,
       "cost": -spec.cost * np.asarray(cost, np.float32) * step_mask,
       "invalid": -spec.invalid * np.asarray(invalid, np.float32) * step_mask,
   }
+  if env_reward is not None:
+    parts["env"] = np.asarray(env_reward, np.float32) * step_mask
   rewards = sum(parts.values()).astype(np.float32)
   violated = np.asarray(violation, bool) & step_mask
   hit = violated.any(-1)

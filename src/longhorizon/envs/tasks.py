@@ -245,8 +245,25 @@ def load(env_name: str, split: str, env_params: Mapping[str, Any] | None = None,
   return source
 
 
+def count(tasks) -> int:
+  """The number of tasks in a batch from `stack` (a pytree with a leading axis, or a list)."""
+  if isinstance(tasks, (list, tuple)):
+    return len(tasks)
+  return int(jax.tree.leaves(tasks)[0].shape[0])
+
+
+def difficulties(env, tasks) -> np.ndarray:
+  """`[T]` int32 `task_difficulty` of each task of a batch from `stack`."""
+  if isinstance(tasks, (list, tuple)):
+    return np.array([env.task_difficulty(t) for t in tasks], np.int32)
+  return np.asarray(jax.jit(jax.vmap(env.task_difficulty))(tasks))
+
+
 def stack(source, indices: Iterable[int]):
-  """The env's task pytree with a leading batch axis, from records `indices` of a data source."""
+  """The env's task pytree with a leading batch axis, from records `indices` of a data source; for
+  a host environment's task list, the list of those tasks."""
+  if isinstance(source, (list, tuple)):
+    return [source[int(i)] for i in indices]
   records = [source[int(i)] for i in indices]
   flat = {k: np.stack([r[k] for r in records]) for k in records[0]}
   return _unflatten_like(source.env, flat)

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from longhorizon import rollout
+from longhorizon.envs import tasks as task_suites
 from longhorizon.eval import metrics as metrics_lib
 
 __all__ = ["evaluate", "records_from_rollout", "BASELINES"]
@@ -72,7 +73,7 @@ def evaluate(env, codec, tasks: Any, *, attempts: int, rollout_config: rollout.R
     raise ValueError(f"policy must be 'model', 'oracle' or 'random', got {policy!r}.")
   if policy == "model" and (params is None or model_config is None):
     raise ValueError("policy='model' needs params and model_config.")
-  n = jax.tree.leaves(tasks)[0].shape[0]
+  n = task_suites.count(tasks)
   keys = jax.random.split(jax.random.fold_in(jax.random.key(seed), 7), n)
   rc = dataclasses.replace(rollout_config, group_size=attempts)
   scripted = None

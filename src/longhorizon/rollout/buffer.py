@@ -29,6 +29,7 @@ class EpisodeBuffer:
   faulted: np.ndarray  # [B] bool, saw a recoverable injected fault (not an env error)
   looped: np.ndarray  # [B] bool, the loop detector fired
   num_milestones: int  # M: bits of the `milestones` bitmask
+  env_reward: np.ndarray | None = None  # [B, S] a host environment's own step rewards
 
   @classmethod
   def start(cls, prompts: list[list[int]], context_length: int, max_steps: int,
@@ -76,10 +77,15 @@ class EpisodeBuffer:
       out.behavior_logprobs[r, s] = logprobs
     self.end[r] += len(ids)
 
-  def record_step(self, t: int, active, ts: TimeStep) -> np.ndarray:
+  def record_step(self, t: int, active, ts: TimeStep, env_reward=None) -> np.ndarray:
     """Records environment step `t` of the `active` rows from the host time step `ts` (`[B]`
-    leaves); the rows it ended are done, with their outcome. Returns those rows (`[B]` bool)."""
+    leaves) and, for a host environment, its own step rewards `env_reward` (`[B]`); the rows it
+    ended are done, with their outcome. Returns those rows (`[B]` bool)."""
     rows, out = np.nonzero(active)[0], self.batch
+    if env_reward is not None:
+      if self.env_reward is None:
+        self.env_reward = np.zeros(out.step_mask.shape, np.float32)
+      self.env_reward[rows, t] = np.asarray(env_reward)[rows]
     out.step_mask[rows, t] = True
     out.anchor[rows, t] = self.next_anchor[rows]
     bits = np.arange(self.num_milestones, dtype=np.int32)
@@ -113,7 +119,8 @@ class EpisodeBuffer:
     out = self.batch
     components = compose_rewards(reward, step_mask=out.step_mask, milestones=out.milestones,
                                  cost=out.cost, violation=out.violation, invalid=self.invalid,
-                                 success=out.success, num_milestones=self.num_milestones)
+                                 success=out.success, num_milestones=self.num_milestones,
+                                 env_reward=self.env_reward)
     b, length = out.tokens.shape
     return out.replace(
         positions=np.broadcast_to(np.arange(length, dtype=np.int32), (b, length)).copy(),

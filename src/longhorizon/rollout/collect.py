@@ -38,6 +38,7 @@ import contextlib
 import dataclasses
 import functools
 import time
+from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 import jax
@@ -53,6 +54,9 @@ from longhorizon.envs.types import row, to_numpy
 from longhorizon.models import ModelConfig, prepare_decode_params
 from longhorizon.rollout.buffer import EpisodeBuffer
 from longhorizon.envs import RewardSpec
+from longhorizon.envs.host import Observation, StepResult, is_host
+from longhorizon.envs.pool import pool_for
+from longhorizon.envs.types import ErrorCode
 from longhorizon.rollout.versions import env_version, reward_version
 
 __all__ = ["RolloutConfig", "RolloutStats", "collect", "oracle_turns"]
@@ -97,6 +101,9 @@ class RolloutStats:
   # (forbidden calls), faulted (saw a recoverable injected fault), loop, difficulty, and whatever
   # the environment's `episode_info` reports (e.g. collateral_damage, attack_success).
   episode_info: dict = dataclasses.field(default_factory=dict)
+  # Host environments: the pool's counters (`pool/...`: calls, retries, timeouts, crashes, rate
+  # limits, circuit breaker, validity rate; envs/pool.py).
+  extra: dict = dataclasses.field(default_factory=dict)
 
   def as_dict(self) -> dict:
     total = self.generation_s + self.env_s + self.host_s
@@ -105,7 +112,7 @@ class RolloutStats:
             "rollout/env_steps": self.env_steps, "rollout/unknown_words": self.unknown_words,
             "rollout/tokens_per_s": self.sampled_tokens / max(total, 1e-9),
             "rollout/env_steps_per_s": self.env_steps / max(total, 1e-9),
-            "rollout/generation_frac": self.generation_s / max(total, 1e-9)}
+            "rollout/generation_frac": self.generation_s / max(total, 1e-9), **self.extra}
 
 
 @functools.lru_cache(maxsize=None)
@@ -157,17 +164,14 @@ def collect(params, model_config: ModelConfig, env: Environment, codec, tasks: A
       sleeps there to simulate tool latency).
   """
   reward, stats = env.reward_spec, RolloutStats()
-  n = jax.tree.leaves(tasks)[0].shape[0]
+  n = _num_tasks(tasks)
   task_of_row = np.repeat(np.arange(n), config.group_size)
-  reset_fn, step_fn, info_fn = _env_fns(env)
   rows_keys = jnp.asarray(env_keys)[task_of_row]
+  rows = (_HostRows(env, codec) if is_host(env) else _JaxRows(env, codec))
   with _timed(stats, "env_s"):
-    states, _ = reset_fn(rows_keys, jax.tree.map(lambda a: jnp.asarray(a)[task_of_row], tasks))
-    states = jax.block_until_ready(states)
-  task_prompts = _prompts(codec, tasks, config, stats)
-  prompts = [task_prompts[i] for i in task_of_row]
-  buffer = EpisodeBuffer.start(prompts, config.context_length, config.max_steps,
-                               states.last.anchor, env.num_milestones)
+    prompts, anchors = rows.start(tasks, task_of_row, rows_keys, config, stats)
+  buffer = EpisodeBuffer.start(prompts, config.context_length, config.max_steps, anchors,
+                               env.num_milestones)
   with _timed(stats, "generation_s"):
     policy = (_ScriptedPolicy(scripted, config, codec) if scripted else
               _ModelPolicy(params, model_config, config, codec, prompts, sampling_seed, row_offset))
@@ -177,20 +181,18 @@ def collect(params, model_config: ModelConfig, env: Environment, codec, tasks: A
       break
     stats.turns += 1
     with _timed(stats, "generation_s"):
-      turn = policy.turn(states, active, buffer.budgets(config.turn_tokens))
+      turn = policy.turn(rows.states(active), active, buffer.budgets(config.turn_tokens))
     with _timed(stats, "host_s"):
       stats.sampled_tokens += buffer.write_turn(t, active, turn.tokens, turn.logprobs, turn.lengths)
-      actions, messages = _parse_actions(env, codec, turn, active)
     with _timed(stats, "env_s"):
-      states, timesteps = step_fn(states, actions)
-      ts = to_numpy(timesteps)
+      ts = rows.step(turn, active)
       if on_env_step is not None:
         on_env_step(t, active)
     stats.env_steps += int(active.sum())
     with _timed(stats, "host_s"):
-      going_on = active & ~buffer.record_step(t, active, ts)
-      observations = _append_observations(buffer, codec, config, stats, t, going_on, ts, messages,
-                                          turn.stopped)
+      going_on = active & ~buffer.record_step(t, active, ts, rows.env_reward(ts))
+      observations = _append_observations(buffer, codec, config, stats, t, going_on,
+                                          rows.observation, turn.stopped)
     if any(observations):
       with _timed(stats, "generation_s"):
         policy.extend(observations)
@@ -199,9 +201,150 @@ def collect(params, model_config: ModelConfig, env: Environment, codec, tasks: A
                                             policy_version=policy_version, task_seed=task_seed,
                                             sampling_seed=sampling_seed))
     stats.episodes = len(task_of_row)
-    info = {k: np.asarray(v) for k, v in to_numpy(info_fn(states)).items()}
-    stats.episode_info = dict(info, **buffer.episode_info())
+    stats.episode_info = dict(rows.episode_info(), **buffer.episode_info())
+    stats.extra.update(rows.finish())
   return batch, stats
+
+
+def _num_tasks(tasks) -> int:
+  if isinstance(tasks, (list, tuple)):  # host environments: a list of task dicts
+    return len(tasks)
+  return jax.tree.leaves(tasks)[0].shape[0]
+
+
+class _JaxRows:
+  """The rows of a JAX environment: reset, step and episode facts jitted and vmapped over rows;
+  the codec parses each turn into an `Action` on the host."""
+
+  def __init__(self, env: Environment, codec):
+    self.env, self.codec = env, codec
+    self.reset_fn, self.step_fn, self.info_fn = _env_fns(env)
+    self.messages = None
+
+  def start(self, tasks, task_of_row, rows_keys, config, stats):
+    states, _ = self.reset_fn(rows_keys, jax.tree.map(lambda a: jnp.asarray(a)[task_of_row], tasks))
+    self._states = jax.block_until_ready(states)
+    task_prompts = _prompts(self.codec, tasks, config, stats)
+    return [task_prompts[i] for i in task_of_row], self._states.last.anchor
+
+  def states(self, active):
+    del active
+    return self._states
+
+  def step(self, turn, active):
+    actions, self.messages = _parse_actions(self.env, self.codec, turn, active)
+    self._states, timesteps = self.step_fn(self._states, actions)
+    self.ts = to_numpy(timesteps)
+    return self.ts
+
+  def env_reward(self, ts):
+    del ts
+    return None
+
+  def observation(self, r: int):
+    """`(ids, text)` of row `r`'s latest observation framed as the next turn (`text` a function)."""
+    ts_r, message = row(self.ts, r), self.messages[r] or None
+    return (list(self.codec.render_observation(ts_r, message)),
+            lambda: self.codec.observation_turn_text(ts_r, message))
+
+  def episode_info(self) -> dict:
+    return {k: np.asarray(v) for k, v in to_numpy(self.info_fn(self._states)).items()}
+
+  def finish(self) -> dict:
+    return {}
+
+
+class _HostStates(NamedTuple):
+  """What a scripted source sees of host rows: the pool and the rows that act."""
+  pool: Any
+  active: np.ndarray
+
+
+class _HostRows:
+  """The rows of a host environment, stepped by its `EnvPool` (`envs/pool.py`): each turn's text
+  goes to the environment as is (end-of-turn removed); first-time milestone logic, the safety
+  stop and invalid actions are applied here as the JAX base class applies them."""
+
+  def __init__(self, env, codec):
+    self.env, self.codec = env, codec
+    self.pool = pool_for(env)
+    self.names = {name: i for i, name in enumerate(env.milestone_names)}
+
+  def start(self, tasks, task_of_row, rows_keys, config, stats):
+    tasks = list(tasks)
+    seeds = np.asarray(jax.random.key_data(rows_keys))[:, -1].astype(np.uint32)
+    self.tasks = [tasks[i] for i in task_of_row]
+    b = len(self.tasks)
+    first = self.pool.reset(self.tasks, [int(x) for x in seeds])
+    self.reached = np.zeros((b, self.env.num_milestones), bool)
+    texts = [o.text if isinstance(o, Observation) else "" for o in first]
+    prompts = [self.codec.render_prompt(text) for text in texts]
+    stats.unknown_words += sum(_unknown_count(self.codec, ids, lambda t=t: self.codec.prompt_text(t))
+                               for ids, t in zip(prompts, texts))
+    longest, length = max(len(p) for p in prompts), config.context_length
+    if longest + config.turn_tokens + 1 > length:
+      raise ValueError(f"context_length={length} cannot hold the longest prompt ({longest} "
+                       f"tokens) and one turn ({config.turn_tokens} tokens + end of turn); raise "
+                       f"rollout.context_length or shorten the prompt.")
+    return prompts, np.array([self.env.anchor(t) for t in texts], np.uint32)
+
+  def states(self, active):
+    return _HostStates(self.pool, active)
+
+  def step(self, turn, active):
+    rows = np.nonzero(active)[0]
+    actions = {int(r): self.codec.action_text(turn.tokens[r, :int(turn.lengths[r])])
+               for r in rows}
+    self.results = self.pool.step(actions)
+    return self._timestep(len(active))
+
+  def _timestep(self, b: int) -> SimpleNamespace:
+    m = self.env.num_milestones
+    out = SimpleNamespace(
+        milestones=np.zeros((b, m), bool), cost=np.zeros((b,), np.float32),
+        violation=np.zeros((b,), bool), env_error=np.zeros((b,), bool),
+        invalid_action=np.zeros((b,), bool), observation={"error": np.zeros((b,), np.int32)},
+        fault=np.zeros((b,), np.int32), loop=np.zeros((b,), bool),
+        anchor=np.zeros((b,), np.uint32), done=np.zeros((b,), bool),
+        success=np.zeros((b,), bool), terminated=np.zeros((b,), bool),
+        reward=np.zeros((b,), np.float32))
+    for r, res in self.results.items():
+      unknown = [n for n in res.milestones if n not in self.names]
+      if unknown and not res.env_error:
+        res = StepResult(f"environment error: milestone(s) {unknown} not in milestone_names "
+                         f"{tuple(self.names)}", terminated=True, env_error=True)
+        self.results[r] = res
+      hit = np.zeros((m,), bool)
+      hit[[self.names[n] for n in res.milestones if n in self.names]] = True
+      ok = not res.env_error
+      out.milestones[r] = hit & ~self.reached[r] & ok
+      self.reached[r] |= hit & ok
+      out.cost[r] = res.cost if ok else 0.0
+      out.violation[r] = res.violation and ok
+      out.env_error[r] = res.env_error
+      code = res.error if ok else 0
+      out.observation["error"][r] = code
+      out.invalid_action[r] = 1 <= code <= int(ErrorCode.NOT_ALLOWED)
+      out.anchor[r] = self.env.anchor(res.observation)
+      out.terminated[r] = (res.terminated or res.violation) and ok
+      out.done[r] = res.terminated or res.truncated or res.violation or res.env_error
+      out.success[r] = res.success and out.terminated[r] and not res.violation
+      out.reward[r] = res.reward if ok else 0.0
+    return out
+
+  def env_reward(self, ts):
+    return ts.reward
+
+  def observation(self, r: int):
+    text = self.results[r].observation
+    return (self.codec.render_observation(text), lambda: self.codec.observation_turn_text(text))
+
+  def episode_info(self) -> dict:
+    return {"difficulty": np.array([self.env.task_difficulty(t) for t in self.tasks], np.int32)}
+
+  def finish(self) -> dict:
+    self.pool.finish()
+    return self.pool.stats()
 
 
 def _prompts(codec, tasks, config: RolloutConfig, stats: RolloutStats) -> list:
@@ -295,27 +438,27 @@ def _parse_actions(env: Environment, codec, turn: _Turn, active) -> tuple[Action
 
 
 def _append_observations(buffer: EpisodeBuffer, codec, config: RolloutConfig,
-                         stats: RolloutStats, t: int, rows, ts, messages, stopped) -> list:
-  """Appends step `t`'s observation to each of `rows` (`[B]` bool, the rows that go on), after an
-  end-of-turn token where the turn hit its budget instead. Stops a row as `TIMEOUT` after the last
-  step, and as `CONTEXT_OVERFLOW` when its observation plus one more turn would not fit. Returns
-  the ids appended to each row (`[]` for none)."""
+                         stats: RolloutStats, t: int, rows, observation, stopped) -> list:
+  """Appends step `t`'s observation (`observation(r) -> (ids, text function)`) to each of `rows`
+  (`[B]` bool, the rows that go on), after an end-of-turn token where the turn hit its budget
+  instead. Stops a row as `TIMEOUT` after the last step, and as `CONTEXT_OVERFLOW` when its
+  observation plus one more turn would not fit. Returns the ids appended to each row (`[]` for
+  none)."""
   eot = codec.stop_token_ids[0]
   appended = [[] for _ in range(len(rows))]
   for r in np.nonzero(rows)[0]:
     if t + 1 >= config.max_steps:
       buffer.stop(r, Termination.TIMEOUT)
       continue
-    ts_r, message = row(ts, r), messages[r] or None
-    observation = list(codec.render_observation(ts_r, message))
-    ids = ([] if stopped[r] else [eot]) + observation
-    if buffer.end[r] + len(ids) + config.turn_tokens + 1 > config.context_length:
+    ids, text = observation(r)
+    ids = list(ids)
+    framed = ([] if stopped[r] else [eot]) + ids
+    if buffer.end[r] + len(framed) + config.turn_tokens + 1 > config.context_length:
       buffer.stop(r, Termination.CONTEXT_OVERFLOW)
       continue
-    stats.unknown_words += _unknown_count(
-        codec, observation, lambda: codec.observation_turn_text(ts_r, message))
-    buffer.append_observation(r, t, ids)
-    appended[r] = ids
+    stats.unknown_words += _unknown_count(codec, ids, text)
+    buffer.append_observation(r, t, framed)
+    appended[r] = framed
   return appended
 
 
@@ -350,6 +493,8 @@ def oracle_turns(env: Environment, codec, epsilon: float = 0.0, seed: int = 0):
   such data gives a competent but unreliable policy."""
   if not 0.0 <= epsilon <= 1.0:
     raise ValueError(f"epsilon must be in [0, 1], got {epsilon}.")
+  if is_host(env):
+    return _host_oracle_turns(env, codec, epsilon)
 
   @jax.jit
   def choose(states, key):
@@ -373,3 +518,18 @@ def oracle_turns(env: Environment, codec, epsilon: float = 0.0, seed: int = 0):
 
   return turns
 
+
+
+def _host_oracle_turns(env, codec, epsilon: float):
+  """`oracle_turns` of a host environment: each active row's `oracle()` text (through its pool),
+  encoded with the end of turn. A row without an oracle action writes an empty turn."""
+  if epsilon:
+    raise ValueError(f"{env.name}: a noisy demonstrator (epsilon={epsilon}) needs random "
+                     "well-formed actions, which a host environment does not define; use 0.")
+
+  def turns(states: _HostStates):
+    texts = states.pool.oracle(np.nonzero(states.active)[0])
+    return [codec.encode_action(texts[r]) if texts.get(r) else []
+            for r in range(len(states.active))]
+
+  return turns

@@ -92,9 +92,10 @@ def collect_across_processes(params, model_config, env, codec, tasks: Any, env_k
     return collect(params, model_config, env, codec, tasks, env_keys, config,
                    sampling_seed=sampling_seed, group_offset=group_offset, scripted=scripted,
                    **kwargs)
-  n = jax.tree.leaves(tasks)[0].shape[0]
+  n = len(tasks) if isinstance(tasks, (list, tuple)) else jax.tree.leaves(tasks)[0].shape[0]
   lo, hi = process_share(n)
-  local_tasks = jax.tree.map(lambda a: a[lo:hi], tasks)
+  local_tasks = (tasks[lo:hi] if isinstance(tasks, (list, tuple))
+                 else jax.tree.map(lambda a: a[lo:hi], tasks))
   batch, stats = collect(params, model_config, env, codec, local_tasks, env_keys[lo:hi], config,
                          sampling_seed=sampling_seed, group_offset=group_offset + lo,
                          row_offset=lo * config.group_size, **kwargs)

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from longhorizon.envs import Environment
+from longhorizon.envs import Environment, HostEnvironment
 from longhorizon.envs.rewards import RewardSpec
 
 __all__ = ["env_version", "reward_version"]
@@ -47,6 +47,9 @@ def _fingerprint(description) -> int:
 
 def _describe(value: Any):
   """A JSON-able description of `value` (see the module docstring)."""
+  if isinstance(value, HostEnvironment):
+    return {"class": type(value).__qualname__, "name": value.name, "version": value.version,
+            "params": {k: _describe(v) for k, v in value.params().items()}}
   if isinstance(value, Environment):
     params = {k: _describe(v) for k, v in vars(value).items() if not k.startswith("_")}
     return {"class": type(value).__qualname__, "name": value.name, "version": value.version,

@@ -154,7 +154,7 @@ def _oracle_episodes(learner: Learner):
   if not np.all(oracle.success):
     raise RuntimeError(f"the oracle solves only {np.mean(oracle.success):.2f} of the test tasks "
                        f"of {c.env.name}; raise env.max_steps or rollout.context_length.")
-  difficulty = jax.jit(jax.vmap(learner.env.task_difficulty))(tasks)
+  difficulty = task_suites.difficulties(learner.env, tasks)
   return oracle, float(np.mean(np.asarray(difficulty)))
 
 

@@ -23,14 +23,16 @@ from longhorizon.train.algorithms import ALGORITHMS, AlgorithmOptions
 from longhorizon.train.options import (COUNT as _COUNT, NON_NEGATIVE as _NON_NEGATIVE,
                                        NON_NEGATIVE_INT as _NON_NEGATIVE_INT,
                                        POSITIVE as _POSITIVE, PROBABILITY as _PROBABILITY,
-                                       ConfigError, OptimOptions, Options, Range, RolloutOptions,
+                                       ConfigError, OptimOptions, Options, PoolOptions, Range,
+                                       RolloutOptions,
                                        fail as _fail, section_ranges)
 from longhorizon.train.policy_losses import LossOptions
 
 __all__ = ["ConfigError", "RANGES", "Range", "SPECS", "set_path", "validate"]
 
 # The typed options of a run, each built from its config section (`Options.from_config`).
-SPECS: tuple[type[Options], ...] = (AlgorithmOptions, LossOptions, RolloutOptions, OptimOptions)
+SPECS: tuple[type[Options], ...] = (AlgorithmOptions, LossOptions, RolloutOptions, OptimOptions,
+                                    PoolOptions)
 
 _CHOICES = {
     "env.style": STYLES,

@@ -44,7 +44,8 @@ from longhorizon.models import checkpoint as checkpoint_lib
 from longhorizon.train import config as config_lib
 from longhorizon.train.algorithms import AlgorithmOptions, compute_advantages
 from longhorizon.train.metrics import Timer
-from longhorizon.train.options import OptimOptions, RolloutOptions
+from longhorizon.envs import pool as pool_lib
+from longhorizon.train.options import OptimOptions, PoolOptions, RolloutOptions
 from longhorizon.train.policy_losses import LossOptions
 from longhorizon.train.update import (LearnInputs, TrainState, critic_values, episode_logprobs,
                                       jit_rl_update, make_optimizer, sft_update)
@@ -60,9 +61,11 @@ def key(seed: int, *path: int) -> jax.Array:
   return k
 
 
-def make_env(config) -> envs.Environment:
+def make_env(config) -> envs.Environment | envs.HostEnvironment:
   """The configured environment with its wrappers (TimeLimit innermost); its reward is
-  `config.reward` (when the config has that section; `envs.RewardSpec` fields)."""
+  `config.reward` (when the config has that section; `envs.RewardSpec` fields). A host environment
+  gets no JAX wrappers (the loop's `env.max_steps` limits it) and its pool options from
+  `config.pool`."""
   params = dict(config.env.params)
   if "reward" in config:
     clash = sorted(set(params) & {"reward", *config.reward.keys()})
@@ -72,6 +75,8 @@ def make_env(config) -> envs.Environment:
           f"(--config.reward.<field>=...), not environment parameters.")
     params["reward"] = envs.RewardSpec(**config.reward)
   env = envs.make(config.env.name, **params)
+  if envs.is_host(env):
+    return _host_env(config, env)
   env = envs.TimeLimit(env, config.env.max_steps)
   if config.env.faults and sum(config.env.faults.values()) > 0:
     env = envs.FaultInjection(env, dict(config.env.faults), tuple(config.env.env_error_kinds))
@@ -79,6 +84,19 @@ def make_env(config) -> envs.Environment:
     env = envs.ToolCost(env, dict(config.env.tool_costs))
   if config.env.loop_k:
     env = envs.LoopDetector(env, config.env.loop_k)
+  return env
+
+
+def _host_env(config, env: envs.HostEnvironment) -> envs.HostEnvironment:
+  wrapped = [name for name, on in (("env.faults", config.env.faults and sum(config.env.faults.values())),
+                                   ("env.tool_costs", config.env.tool_costs),
+                                   ("env.loop_k", config.env.loop_k)) if on]
+  if wrapped:
+    raise config_lib.ConfigError(
+        f"config.env.name={config.env.name!r} is a host (plain-Python) environment: {wrapped} "
+        "are JAX wrappers; a host environment reports its own costs and faults (StepResult).")
+  if "pool" in config:
+    pool_lib.configure_pool(env, **PoolOptions.from_config(config).pool_kwargs())
   return env
 
 
@@ -126,6 +144,9 @@ def _task_suites(config, env) -> tuple[Any, dict]:
   multi-host run, while the others wait)."""
   sizes = {"train": config.tasks.train_size, "test": config.tasks.test_size,
            "ood": config.tasks.ood_size}
+  if envs.is_host(env):  # JSON task specs from the environment itself (cheap, deterministic)
+    tasks = {split: env.tasks(split, n, config.tasks.seed) for split, n in sizes.items()}
+    return tasks["train"], {split: tasks[split] for split in ("test", "ood")}
   data_dir = config.tasks.data_dir or None
   if jax.process_count() > 1:
     if jax.process_index() == 0:

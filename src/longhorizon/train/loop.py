@@ -89,9 +89,9 @@ def make_curriculum(s: Learner, state_dict=None):
   if not c.num_buckets:
     return None, None
   n = len(s.train_tasks)
-  difficulty = jax.jit(jax.vmap(s.env.task_difficulty))
-  levels = np.concatenate([np.asarray(difficulty(task_suites.stack(s.train_tasks, range(i, min(i + 1024, n)))))
-                           for i in range(0, n, 1024)])
+  levels = np.concatenate([
+      task_suites.difficulties(s.env, task_suites.stack(s.train_tasks, range(i, min(i + 1024, n))))
+      for i in range(0, n, 1024)])
   curriculum = Curriculum(c.num_buckets, alpha=c.alpha, floor=c.floor or None, ema=c.ema)
   if state_dict:
     curriculum.load_state_dict(state_dict)

@@ -21,7 +21,8 @@ import ml_collections
 
 from longhorizon.rollout import RolloutConfig
 
-__all__ = ["ConfigError", "Range", "Options", "RolloutOptions", "OptimOptions", "option", "fail",
+__all__ = ["ConfigError", "Range", "Options", "RolloutOptions", "OptimOptions", "PoolOptions",
+           "option", "fail",
            "as_config", "section_ranges", "COUNT",
            "NON_NEGATIVE_INT", "NON_NEGATIVE", "POSITIVE", "PROBABILITY", "DISCOUNT"]
 
@@ -177,6 +178,37 @@ class RolloutOptions(Options):
                          turn_tokens=self.turn_tokens,
                          temperature=self.temperature if temperature is None else temperature,
                          top_k=self.top_k, top_p=self.top_p)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolOptions(Options):
+  """How a host environment's rows are stepped (`config.pool`; `envs/pool.py`). Ignored by JAX
+  environments, which step under jit."""
+  SECTION = "pool"
+  backend: str = option("", choices=("", "thread", "process", "serial"))  # "": the env's default
+  workers: int = option(0, range=Range(int, 0, note="0 = one thread per row / one process per CPU"))
+  timeout_s: float = option(30.0, range=POSITIVE)  # per call
+  retries: int = option(2, range=NON_NEGATIVE_INT)  # further attempts before an environment error
+  rate_limit: float = option(0.0, range=Range(float, 0, note="calls/s over all rows; 0 = off"))
+  burst: int = option(1, range=COUNT)  # token-bucket size of the rate limits
+  # Per-tool limits as (("tool", calls/s), ...), e.g. "(('refund', 2.0),)".
+  tool_rate_limits: tuple = option(())
+  breaker_failures: int = option(0, range=Range(int, 0, note="consecutive failures; 0 = off"))
+  breaker_cooldown_s: float = option(5.0, range=POSITIVE)
+  record_path: str = option("")  # JSON lines of every call and result ("": off)
+
+  def check(self):
+    for item in self.tool_rate_limits:
+      if (not isinstance(item, (tuple, list)) or len(item) != 2 or not isinstance(item[0], str)
+          or not POSITIVE.holds(item[1])):
+        fail("pool.tool_rate_limits", self.tool_rate_limits,
+             "pairs (tool name, calls/s > 0), e.g. (('refund', 2.0),)")
+
+  def pool_kwargs(self) -> dict:
+    """The `EnvPool` keyword arguments."""
+    out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    out["tool_rate_limits"] = {name: float(rate) for name, rate in self.tool_rate_limits}
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
