@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import random
 import re
 import zlib
 from typing import Any, Sequence
@@ -125,6 +126,25 @@ class HostEnvironment:
   def oracle(self) -> str | None:
     """The next expert action as the policy would write it (None: no expert here)."""
     return None
+
+  def random_action(self, seed: int) -> str | None:
+    """A random well-formed action from the current state, a function of `seed` (for noisy
+    demonstrations, `sft.demo_epsilon`). Default: a random tool of `tools` with random argument
+    values (the environment may refuse them); free-text environments override it."""
+    if not self.tools:
+      raise NotImplementedError(f"{type(self).__name__} has free-text actions and no "
+                                "random_action(seed); define one for noisy demonstrations.")
+    rng = random.Random(seed)
+    schema = _schema(rng.choice(list(self.tools)))
+    arguments = {}
+    for key, spec in schema.get("parameters", {}).get("properties", {}).items():
+      if "enum" in spec:
+        arguments[key] = rng.choice(spec["enum"])
+      else:
+        arguments[key] = {"integer": rng.randint(0, 9), "number": float(rng.randint(0, 9)),
+                          "boolean": rng.random() < 0.5}.get(spec.get("type"), "x")
+    return "<tool_call>" + json.dumps({"name": schema["name"], "arguments": arguments}) + \
+        "</tool_call>"
 
   def snapshot(self) -> Any:
     """A picklable copy of the episode's state, independent of this instance: `restore` on a

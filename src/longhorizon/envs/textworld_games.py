@@ -495,6 +495,13 @@ class TextWorldGames(HostEnvironment):
     plan = self._state["policy_commands"] or []
     return normalize_text(plan[0]) if plan else None
 
+  def random_action(self, seed: int) -> str | None:
+    """A uniformly random admissible command (a noisy demonstrator's slip)."""
+    if self._state is None or self._done:
+      return None
+    commands = sorted(normalize_text(c) for c in self._state["admissible_commands"] or [])
+    return random.Random(seed).choice(commands) if commands else None
+
   def snapshot(self) -> dict:
     if self._task is None:
       raise RuntimeError("textworld: snapshot() before reset().")

@@ -494,7 +494,7 @@ def oracle_turns(env: Environment, codec, epsilon: float = 0.0, seed: int = 0):
   if not 0.0 <= epsilon <= 1.0:
     raise ValueError(f"epsilon must be in [0, 1], got {epsilon}.")
   if is_host(env):
-    return _host_oracle_turns(env, codec, epsilon)
+    return _host_oracle_turns(env, codec, epsilon, seed)
 
   @jax.jit
   def choose(states, key):
@@ -520,15 +520,22 @@ def oracle_turns(env: Environment, codec, epsilon: float = 0.0, seed: int = 0):
 
 
 
-def _host_oracle_turns(env, codec, epsilon: float):
+def _host_oracle_turns(env, codec, epsilon: float, seed: int):
   """`oracle_turns` of a host environment: each active row's `oracle()` text (through its pool),
-  encoded with the end of turn. A row without an oracle action writes an empty turn."""
-  if epsilon:
-    raise ValueError(f"{env.name}: a noisy demonstrator (epsilon={epsilon}) needs random "
-                     "well-formed actions, which a host environment does not define; use 0.")
+  or with probability `epsilon` its `random_action(seed)`, encoded with the end of turn. A row
+  without an action writes an empty turn."""
+  calls = [0]
 
   def turns(states: _HostStates):
-    texts = states.pool.oracle(np.nonzero(states.active)[0])
+    rows = np.nonzero(states.active)[0]
+    # Row r's slip at call c: a draw of Random(seed, c, r); its random action a function of it.
+    rng = np.random.default_rng([seed, calls[0]])
+    draws, seeds = rng.random(len(states.active)), rng.integers(0, 2**31, len(states.active))
+    calls[0] += 1
+    slip = [int(r) for r in rows if draws[r] < epsilon]
+    texts = states.pool.oracle([int(r) for r in rows if draws[r] >= epsilon])
+    if slip:
+      texts.update(states.pool.random_actions({r: int(seeds[r]) for r in slip}))
     return [codec.encode_action(texts[r]) if texts.get(r) else []
             for r in range(len(states.active))]
 

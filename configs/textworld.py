@@ -1,0 +1,52 @@
+"""TextWorld quests (a host environment, `envs/textworld_games.py`): SFT on walkthroughs, then RL.
+
+  python experiments/train.py --config=configs/textworld.py --workdir=/tmp/lh_textworld
+
+Needs the `[textworld]` extra (`pip install -e .[textworld]`). The policy is the small default
+decoder (2 layers, d=128) over a word-level tokenizer built from the games' vocabulary; games
+are generated offline by TextWorld's own generator on first use (about 1-1.5 s each, cached under
+`$LONGHORIZON_DATA/textworld/`). Quest length 4 (the walkthrough is 4 commands), train / test
+games disjoint; the warm start is SFT on a small budget of noisy walkthrough episodes
+(`sft.demo_epsilon`: a random admissible command instead of the walkthrough's), then GRPO.
+
+Variants: `configs/textworld.py:smoke` (a few updates, for tests).
+"""
+
+from configs import default
+
+
+def get_config(arg=None):
+  config = default.get_config()
+  config.num_updates = 40
+  config.env.name = "textworld"
+  config.env.params = {"family": "quest", "quest_length": 4, "nb_rooms": 4, "nb_objects": 8,
+                       "ood_quest_length": 8, "ood_nb_rooms": 8}
+  config.env.max_steps = 8
+  config.tasks.train_size = 96
+  config.tasks.test_size = 32
+  config.tasks.ood_size = 16
+  config.rollout.num_tasks = 8
+  config.rollout.group_size = 8
+  config.rollout.context_length = 448
+  config.rollout.turn_tokens = 14
+  config.sft.steps = 60
+  config.sft.episodes = 64
+  config.sft.demo_epsilon = 0.2
+  config.eval.num_tasks = 32
+  config.eval.k = 4
+  config.checkpoint_every = 5
+  config.pool.backend = "process"
+  config.pool.workers = 2
+  config.pool.timeout_s = 60.0  # the first reset of a game generates and compiles it
+  if arg == "smoke":
+    config.num_updates = 2
+    config.tasks.train_size = 8
+    config.tasks.test_size = 4
+    config.tasks.ood_size = 2
+    config.rollout.num_tasks = 2
+    config.rollout.group_size = 2
+    config.sft.steps = 2
+    config.sft.episodes = 4
+    config.eval.num_tasks = 4
+    config.eval.k = 1
+  return config
