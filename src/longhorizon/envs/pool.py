@@ -19,7 +19,8 @@ A call that fails (raises, exceeds `timeout_s`, returns `env_error=True`, or mee
 error) is retried up to `retries` times (seed §3.4: retry, and only if still failing mask it),
 from the pre-step snapshot when the environment has one (`snapshot`/`restore`: the failed attempt
 leaves no trace); a row whose instance is lost (a timed-out thread still runs, a worker process
-died) is rebuilt on a fresh instance by `reset(task, seed)` and replaying the row's actions so far.
+died) or whose failed step left an unknown state (no snapshot) is rebuilt on a fresh instance by
+`reset(task, seed)` and replaying the row's actions so far.
 After the budget the row's answer is an environment error (`StepResult(env_error=True)`); the loop
 ends the episode as `ENV_ERROR`, kept in the batch with weight 0. A crashed worker process is
 replaced.
@@ -30,7 +31,8 @@ Rate limits: token buckets per environment (`rate_limit` calls/s, `burst`) and p
 `breaker_failures` consecutive failed calls the pool stops calling the environment for
 `breaker_cooldown_s` (calls fail fast as environment errors), then lets one trial call through; a
 success closes it. `stats()` reports calls, failures, retries, timeouts, crashes, rate-limit waits,
-breaker openings and rejections, and the validity rate (rows answered without an environment error).
+breaker openings and rejections, and the validity rate (the latest batch's episodes that ended
+without an environment error).
 
 Record / replay: with `record_path`, every reset and step (task, seed, action, result) is appended
 to a JSON-lines file, one line per finished episode; `ReplayEnvironment` serves a recorded episode
@@ -57,7 +59,7 @@ __all__ = ["EnvPool", "RateLimited", "ReplayEnvironment", "BACKENDS", "load_reco
            "factory_of", "configure_pool", "pool_for", "close_pools", "TokenBucket",
            "CircuitBreaker"]
 
-BACKENDS = ("thread", "process", "serial")
+BACKENDS = ("thread", "process", "serial", "ray")  # "ray": envs/ray_pool.py (optional extra)
 
 
 class RateLimited(Exception):
@@ -77,14 +79,20 @@ class WorkerCrashed(Exception):
   """The worker process that held the row died."""
 
 
+class _Lost(Exception):
+  """The row's instance is gone (its worker was replaced) before the call was made: rebuild it and
+  make the call (not a failure of the environment)."""
+
+
 class CircuitOpen(Exception):
   """The pool's circuit breaker is open: the call was not made."""
 
 
 def factory_of(env: HostEnvironment) -> Callable[[], HostEnvironment]:
   """A picklable factory of fresh instances like `env`: its class with its constructor parameters
-  (public attributes) and reward spec."""
-  return _Factory(type(env), env.params(), env.reward_spec)
+  (public attributes, or what its `_constructor_params()` returns) and reward spec."""
+  params = getattr(env, "_constructor_params", env.params)()
+  return _Factory(type(env), params, env.reward_spec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,41 +153,69 @@ def _apply(env, method: str, args: tuple):
 
 # ------------------------------------------------------------------------------------ backends
 class _ThreadBackend:
-  """Calls on threads; a timed-out instance is abandoned (its thread may still run) and rebuilt."""
+  """Calls on threads, at most `workers` at a time (0: one per row). Each call runs on a thread of
+  its own (a daemon); a timed-out call's thread is abandoned, still running, with its instance
+  (rebuilt before the row's next call): it gives its slot back at once, so later calls never wait
+  behind it, and it never keeps the interpreter from exiting."""
 
   def __init__(self, factory, rows: int, workers: int, timeout_s: float):
     self.factory, self.timeout_s = factory, timeout_s
     self.envs: list[HostEnvironment | None] = [None] * rows
-    self.executor = concurrent.futures.ThreadPoolExecutor(max(workers or rows, 1),
-                                                          thread_name_prefix="envpool")
+    self.slots = threading.BoundedSemaphore(max(workers or rows, 1))
+
+  def _run(self, fn, args: tuple, timeout_s: float, what: str):
+    """`fn(*args)` on a new thread within `timeout_s` (`CallTimeout` past it)."""
+    future, lock, state = concurrent.futures.Future(), threading.Lock(), {"slot": True}
+
+    def give_back_slot():
+      with lock:
+        if state["slot"]:
+          state["slot"] = False
+          self.slots.release()
+
+    def run():
+      try:
+        future.set_result(fn(*args))
+      except BaseException as e:  # handed to the caller
+        future.set_exception(e)
+      finally:
+        give_back_slot()
+
+    self.slots.acquire()
+    threading.Thread(target=run, name="envpool-call", daemon=True).start()
+    try:
+      return future.result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+      give_back_slot()  # abandoned: it runs on without holding a slot
+      raise CallTimeout(f"{what} took longer than {timeout_s:g} s") from None
 
   def call(self, row: int, method: str, args: tuple, timeout_s: float):
     if self.envs[row] is None:
       self.envs[row] = self.factory()
-    env = self.envs[row]
-    future = self.executor.submit(_apply, env, method, args)
     try:
-      return future.result(timeout=timeout_s)
-    except concurrent.futures.TimeoutError:
+      return self._run(_apply, (self.envs[row], method, args), timeout_s, method)
+    except CallTimeout:
       self.envs[row] = None  # abandoned: rebuilt before its next call
-      raise CallTimeout(f"{method} took longer than {timeout_s:g} s") from None
+      raise
 
   def rebuild(self, row: int, task: dict, seed: int, history: list[str], timeout_s: float):
     old, self.envs[row] = self.envs[row], None
-    future = self.executor.submit(_rebuild, self.factory, old, task, seed, history)
-    try:
-      self.envs[row] = future.result(timeout=timeout_s * (1 + len(history)))
-    except concurrent.futures.TimeoutError:
-      raise CallTimeout(f"rebuilding the row took longer than {timeout_s:g} s per call") from None
+    self.envs[row] = self._run(_rebuild, (self.factory, old, task, seed, history),
+                               timeout_s * (1 + len(history)), "rebuilding the row")
 
   def lost(self, row: int) -> bool:
     return self.envs[row] is None
+
+  def lose(self, row: int) -> None:
+    """Drops the row's instance (its state is unknown): rebuilt before its next call."""
+    env, self.envs[row] = self.envs[row], None
+    if env is not None:
+      _quiet_close(env)
 
   def close(self):
     for env in self.envs:
       if env is not None:
         _quiet_close(env)
-    self.executor.shutdown(wait=False, cancel_futures=True)
 
 
 class _SerialBackend(_ThreadBackend):
@@ -189,7 +225,6 @@ class _SerialBackend(_ThreadBackend):
     del workers
     self.factory, self.timeout_s = factory, timeout_s
     self.envs = [None] * rows
-    self.executor = None
 
   def call(self, row, method, args, timeout_s):
     if self.envs[row] is None:
@@ -200,10 +235,6 @@ class _SerialBackend(_ThreadBackend):
     old, self.envs[row] = self.envs[row], None
     self.envs[row] = _rebuild(self.factory, old, task, seed, history)
 
-  def close(self):
-    for env in self.envs:
-      if env is not None:
-        _quiet_close(env)
 
 
 def _alarm(signum, frame):
@@ -212,9 +243,11 @@ def _alarm(signum, frame):
 
 def _worker_main(conn, factory):
   """A worker process: holds its rows' instances, runs one call at a time. Each call is bounded
-  by SIGALRM (interrupts Python code and sleeps); the parent kills a worker stuck past it."""
+  by SIGALRM (interrupts Python code and sleeps); the parent kills a worker stuck past it. It says
+  "ready" once started (imports done), so its start-up does not count against a call's timeout."""
   signal.signal(signal.SIGALRM, _alarm)
   envs: dict[int, HostEnvironment] = {}
+  conn.send(("ready", os.getpid()))
   while True:
     try:
       message = conn.recv()
@@ -233,6 +266,9 @@ def _worker_main(conn, factory):
             _quiet_close(env)
           conn.send(("ok", None))
           break
+        elif row not in envs and op != "reset":
+          conn.send(("lost", None))  # the instance went with a replaced worker: rebuild first
+          continue
         else:
           if row not in envs:
             envs[row] = factory()
@@ -248,12 +284,23 @@ def _worker_main(conn, factory):
 
 
 class _Worker:
+  # Seconds a new worker may take to start (fork from the server, unpickle the factory, import the
+  # environment's module) before it counts as crashed; not part of any call's timeout.
+  STARTUP_S = 120.0
+
   def __init__(self, context, factory):
     self.conn, child = context.Pipe()
     self.process = context.Process(target=_worker_main, args=(child, factory), daemon=True)
     self.process.start()
     child.close()
     self.lock = threading.Lock()
+    try:
+      ready = self.conn.poll(self.STARTUP_S) and self.conn.recv()[0] == "ready"
+    except (EOFError, OSError):
+      ready = False
+    if not ready:
+      self.kill()
+      raise WorkerCrashed(f"a worker process did not start within {self.STARTUP_S:g} s")
 
   def kill(self):
     try:
@@ -273,26 +320,45 @@ class _ProcessBackend:
     self.workers = [None] * max(1, min(workers or os.cpu_count() or 1, rows))
     self.rows = rows
     self.missing = set(range(rows))  # rows with no instance in their worker
+    self.lock = threading.Lock()  # guards `workers`: the rows of one worker call concurrently
+    self.starting = [threading.Lock() for _ in self.workers]  # one start per slot at a time
+
+  def _rows_of(self, i: int) -> set:
+    return {r for r in range(self.rows) if r % len(self.workers) == i}
 
   def _worker(self, row) -> _Worker:
     i = row % len(self.workers)
-    if self.workers[i] is None:
-      self.workers[i] = _Worker(self.context, self.factory)
-    return self.workers[i]
+    with self.starting[i]:  # workers of different slots start in parallel
+      if self.workers[i] is None:
+        worker = _Worker(self.context, self.factory)
+        with self.lock:
+          self.missing |= self._rows_of(i)  # a new worker holds no instance
+          self.workers[i] = worker
+      return self.workers[i]
 
   def _send(self, row, op, payload, timeout_s):
-    worker = self._worker(row)
-    with worker.lock:
-      try:
-        worker.conn.send((op, row, payload, timeout_s))
-        # The worker's own alarm fires at timeout_s; allow it a grace period before killing it.
-        if not worker.conn.poll(timeout_s * 1.5 + 1.0):
-          self._replace(worker)
-          raise CallTimeout(f"{op} took longer than {timeout_s:g} s (worker killed)")
-        status, value = worker.conn.recv()
-      except (EOFError, BrokenPipeError, ConnectionResetError, OSError) as e:
+    while True:
+      worker = self._worker(row)
+      with worker.lock:
+        if worker is self.workers[row % len(self.workers)]:
+          return self._send_locked(worker, row, op, payload, timeout_s)
+      # The worker was replaced (another of its rows crashed it) while this call waited for it:
+      # the call was not made; make it on the new worker.
+
+  def _send_locked(self, worker, row, op, payload, timeout_s):
+    try:
+      worker.conn.send((op, row, payload, timeout_s))
+      # The worker's own alarm fires at timeout_s; allow it a grace period before killing it.
+      if not worker.conn.poll(timeout_s * 1.5 + 1.0):
         self._replace(worker)
-        raise WorkerCrashed(f"the worker process of row {row} died ({type(e).__name__})") from None
+        raise CallTimeout(f"{op} took longer than {timeout_s:g} s (worker killed)")
+      status, value = worker.conn.recv()
+    except (EOFError, BrokenPipeError, ConnectionResetError, OSError) as e:
+      self._replace(worker)
+      raise WorkerCrashed(f"the worker process of row {row} died ({type(e).__name__})") from None
+    if status == "lost":
+      self.missing.add(row)
+      raise _Lost(f"row {row} has no instance in its worker")
     if status == "timeout":
       self.missing.add(row)
       raise CallTimeout(value)
@@ -301,10 +367,12 @@ class _ProcessBackend:
     return value
 
   def _replace(self, worker: _Worker):
-    i = self.workers.index(worker)
     worker.kill()
-    self.workers[i] = None
-    self.missing |= {r for r in range(self.rows) if r % len(self.workers) == i}
+    with self.lock:
+      for i, current in enumerate(self.workers):
+        if current is worker:
+          self.workers[i] = None
+          self.missing |= self._rows_of(i)
 
   def call(self, row, method, args, timeout_s):
     value = self._send(row, method, args, timeout_s)
@@ -318,6 +386,9 @@ class _ProcessBackend:
 
   def lost(self, row) -> bool:
     return row in self.missing
+
+  def lose(self, row) -> None:
+    self.missing.add(row)
 
   def close(self):
     for worker in self.workers:
@@ -422,7 +493,7 @@ class EnvPool:
 
   Args:
     factory: `() -> HostEnvironment` (picklable for the process backend: `factory_of(env)`).
-    backend: "thread", "process" or "serial".
+    backend: "thread", "process", "serial" or "ray" (Ray actors; `envs/ray_pool.py`).
     workers: threads (0: one per row) or processes (0: one per CPU).
     timeout_s: per-call time limit.
     retries: further attempts of a failed call before the row is an environment error.
@@ -449,6 +520,7 @@ class EnvPool:
     self.breaker = CircuitBreaker(breaker_failures, breaker_cooldown_s)
     self.record_path = record_path
     self._probe = None  # an instance for the tool names of calls (rate limits per tool)
+    self._can_snapshot = None
     self.backend = None
     self.rows: list[_Row] = []
     self.counts = collections.Counter()
@@ -488,6 +560,11 @@ class EnvPool:
     out = self._map({r: ("oracle", ()) for r in rows}, oracle=True)
     return {r: (v if isinstance(v, str) else None) for r, v in out.items()}
 
+  def random_actions(self, seeds: dict[int, int]) -> dict[int, str | None]:
+    """Each row's `random_action(seed)` (None where it has none or failed)."""
+    out = self._map({r: ("random_action", (s,)) for r, s in seeds.items()}, oracle=True)
+    return {r: (v if isinstance(v, str) else None) for r, v in out.items()}
+
   def finish(self, rows=None) -> None:
     """Writes the finished episodes of `rows` (all by default) to `record_path`."""
     if not self.record_path:
@@ -502,15 +579,16 @@ class EnvPool:
           row.log = []
 
   def stats(self) -> dict:
-    """Counters since the pool started (`pool/...`), including the validity rate."""
+    """Counters since the pool started (`pool/...`), and the validity rate: the fraction of the
+    latest batch's episodes (rows of the last `reset`) that met no environment error."""
     c = self.counts
-    answered = c["rows_answered"]
     return {"pool/calls": c["calls"], "pool/failures": c["failures"], "pool/retries": c["retries"],
             "pool/timeouts": c["timeouts"], "pool/crashes": c["crashes"],
             "pool/rate_limited": c["rate_limited"], "pool/rate_wait_s": c["rate_wait_s"],
             "pool/breaker_openings": self.breaker.openings,
             "pool/breaker_rejected": c["breaker_rejected"], "pool/env_errors": c["env_errors"],
-            "pool/validity_rate": 1.0 - c["env_errors"] / answered if answered else 1.0}
+            "pool/validity_rate": (1.0 - sum(row.failed for row in self.rows) / len(self.rows)
+                                   if self.rows else 1.0)}
 
   def close(self) -> None:
     if self.backend is not None:
@@ -531,7 +609,11 @@ class EnvPool:
     if self.backend is not None and len(self._backend_rows) == rows:
       return
     self.close()
-    cls = _BACKEND_CLASSES[self.backend_name]
+    if self.backend_name == "ray":  # optional dependency: imported only when chosen
+      from longhorizon.envs.ray_pool import RayBackend  # pylint: disable=C0415
+      cls = RayBackend
+    else:
+      cls = _BACKEND_CLASSES[self.backend_name]
     self.backend = cls(self.factory, rows, self.workers, self.timeout_s)
     self._backend_rows = range(rows)
     if self.backend_name != "serial":
@@ -562,9 +644,7 @@ class EnvPool:
       self._wait_rate(method, args)
       self._count(calls=1)
       try:
-        if method != "reset" and self.backend.lost(r):
-          self.backend.rebuild(r, row.task, row.seed, list(row.history), self.timeout_s)
-        value = self.backend.call(r, method, args, self.timeout_s)
+        value = self._call(r, method, args)
       except RateLimited as e:
         self._count(rate_limited=1, failures=1)
         self.breaker.record(False)
@@ -576,13 +656,16 @@ class EnvPool:
                     crashes=int(isinstance(e, WorkerCrashed)))
         self.breaker.record(False)
         problem = f"{type(e).__name__}: {e}"
-        if isinstance(e, (CallTimeout, WorkerCrashed)) or method == "reset":
-          self._mark_lost(r)
+        if (isinstance(e, (CallTimeout, WorkerCrashed)) or method == "reset"
+            or (method == "step" and not self._snapshots())):
+          self._mark_lost(r)  # its state is unknown: rebuilt by replay before the retry
         continue
       if isinstance(value, StepResult) and value.env_error:
         self._count(failures=1)
         self.breaker.record(False)
         problem = value.observation or "the environment reported an error"
+        if method == "step" and not self._snapshots():
+          self._mark_lost(r)  # the failed attempt may have changed its state
         continue
       self.breaker.record(True)
       if not oracle:
@@ -595,14 +678,35 @@ class EnvPool:
     return StepResult(observation=f"environment error: {problem}", terminated=True,
                       env_error=True, info={"pool_error": problem})
 
+  def _call(self, r: int, method: str, args: tuple):
+    """One attempt: rebuilds the row's instance first where it is lost."""
+    row = self.rows[r]
+    for _ in range(3):
+      if method != "reset" and self.backend.lost(r):
+        self.backend.rebuild(r, row.task, row.seed, list(row.history), self.timeout_s)
+      try:
+        return self.backend.call(r, method, args, self.timeout_s)
+      except _Lost:
+        continue  # another row's crash took its worker before this call was made
+    raise WorkerCrashed(f"row {r} lost its instance repeatedly")
+
   def _mark_lost(self, r: int):
-    backend = self.backend
-    if isinstance(backend, _ThreadBackend) and not isinstance(backend, _SerialBackend):
-      backend.envs[r] = None
-    elif isinstance(backend, _SerialBackend):
-      backend.envs[r] = None
-    elif isinstance(backend, _ProcessBackend):
-      backend.missing.add(r)
+    self.backend.lose(r)
+
+  def _snapshots(self) -> bool:
+    """Whether the environment has `snapshot` / `restore` (a failed step is undone in place)."""
+    if self._can_snapshot is None:
+      cls = getattr(self.factory, "cls", None)
+      if isinstance(cls, type) and issubclass(cls, HostEnvironment):
+        self._can_snapshot = cls.snapshot is not HostEnvironment.snapshot
+      else:
+        self._can_snapshot = self._probe_env().can_snapshot
+    return self._can_snapshot
+
+  def _probe_env(self) -> HostEnvironment:
+    if self._probe is None:
+      self._probe = self.factory()
+    return self._probe
 
   def _wait_rate(self, method: str, args: tuple):
     if method not in ("step", "reset"):
@@ -611,9 +715,7 @@ class EnvPool:
     if self.bucket is not None:
       waited += self.bucket.acquire()
     if method == "step" and self.tool_buckets:
-      if self._probe is None:
-        self._probe = self.factory()
-      bucket = self.tool_buckets.get(_tool_name(self._probe, args[0]))
+      bucket = self.tool_buckets.get(_tool_name(self._probe_env(), args[0]))
       if bucket is not None:
         waited += bucket.acquire()
     if waited:
@@ -648,40 +750,51 @@ def load_records(path: str) -> list[dict]:
 
 class ReplayEnvironment(HostEnvironment):
   """Serves recorded episodes (`load_records`) without the live environment: `reset(task, seed)`
-  finds the episode of that task and seed, and each `step` returns the recorded result of the
-  recorded action; an action that differs from the record is an environment error (the replay
-  diverged), naming the step."""
+  takes the episodes of that task and seed (the rollouts of a group share both), and each `step`
+  keeps those whose recorded action at this step is the action and returns the recorded result;
+  an action no recorded episode took there is an environment error (the replay diverged), naming
+  the step."""
 
   name = "replay"
 
   def __init__(self, records: list[dict], milestone_names=(), tools=None, reward=None):
     super().__init__(reward=reward)
     self._records, self.milestone_names, self.tools = records, tuple(milestone_names), tools
-    self._calls, self._i = [], 0
+    self._candidates, self._i = [], 0
 
   def params(self) -> dict:
     return {}
+
+  def _constructor_params(self) -> dict:
+    """What `factory_of` passes to build copies (the pool's instances, its worker processes)."""
+    return {"records": self._records, "milestone_names": self.milestone_names,
+            "tools": self.tools}
 
   def tasks(self, split, num, seed):
     return [r["task"] for r in self._records[:num]]
 
   def reset(self, task, seed):
-    for record in self._records:
-      if record["task"] == task and record["seed"] == seed:
-        first = record["calls"][0]["observation"]
-        self._calls, self._i = record["calls"][1:], 0
-        return Observation(first["text"], first.get("info", {}))
-    raise KeyError(f"no recorded episode of task {task} with seed {seed}.")
+    found = [r["calls"] for r in self._records if r["task"] == task and r["seed"] == seed]
+    started = [calls for calls in found if calls and calls[0].get("observation", {}).get("kind")
+               == "Observation"]
+    if not started:
+      raise KeyError(f"no recorded episode of task {task} with seed {seed}" +
+                     (" that started" if found else "") + ".")
+    first = started[0][0]["observation"]
+    self._candidates, self._i = [calls[1:] for calls in started], 0
+    return Observation(first["text"], first.get("info", {}))
 
   def step(self, action):
-    if self._i >= len(self._calls):
+    left = [calls for calls in self._candidates if self._i < len(calls)]
+    if not left:
       return StepResult("replay: no more recorded steps", terminated=True, env_error=True)
-    call = self._calls[self._i]
-    if call["action"] != action:
-      return StepResult(f"replay diverged at step {self._i}: recorded {call['action']!r}, got "
-                        f"{action!r}", terminated=True, env_error=True)
-    self._i += 1
-    result = dict(call["result"])
+    same = [calls for calls in left if calls[self._i]["action"] == action]
+    if not same:
+      return StepResult(f"replay diverged at step {self._i}: recorded "
+                        f"{sorted({c[self._i]['action'] for c in left})!r}, got {action!r}",
+                        terminated=True, env_error=True)
+    result = dict(same[0][self._i]["result"])
+    self._candidates, self._i = same, self._i + 1
     result.pop("kind", None)
     result["milestones"] = tuple(result.get("milestones", ()))
     return StepResult(**result)
