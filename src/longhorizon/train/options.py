@@ -185,7 +185,8 @@ class PoolOptions(Options):
   """How a host environment's rows are stepped (`config.pool`; `envs/pool.py`). Ignored by JAX
   environments, which step under jit."""
   SECTION = "pool"
-  backend: str = option("", choices=("", "thread", "process", "serial"))  # "": the env's default
+  # "": the env's default; "ray": Ray actors (envs/ray_pool.py, the [ray] extra)
+  backend: str = option("", choices=("", "thread", "process", "serial", "ray"))
   workers: int = option(0, range=Range(int, 0, note="0 = one thread per row / one process per CPU"))
   timeout_s: float = option(30.0, range=POSITIVE)  # per call
   retries: int = option(2, range=NON_NEGATIVE_INT)  # further attempts before an environment error
