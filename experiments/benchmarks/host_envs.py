@@ -29,6 +29,7 @@ Prints a markdown table, the CPU model and core count; `--out` writes the result
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 import sys
@@ -37,12 +38,18 @@ import time
 from absl import app
 from absl import flags
 from absl import logging
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 import results_io  # noqa: E402
+from longhorizon import envs  # noqa: E402
 from longhorizon.envs.host import HostEnvironment, Observation, StepResult  # noqa: E402
 from longhorizon.envs.pool import EnvPool, factory_of  # noqa: E402
+from longhorizon.train.async_rollout import AsyncRollouts  # noqa: E402
+from longhorizon.train.learner import Learner  # noqa: E402
+from longhorizon.train.metrics import Timer  # noqa: E402
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 _OUT = flags.DEFINE_string("out", None, "Optional JSON path for the results.")
@@ -191,16 +198,6 @@ def measure_training(updates: int, warmup: int = 1, actors: int = 2, max_stalene
                      num_tasks: int = 4, group_size: int = 4) -> list[dict]:
   """Updates/s of sync and async training on `LatencyEnv` (configs/default.py:smoke otherwise;
   the same approach as `async_vs_sync.py`, the latency inside the environment's own calls)."""
-  import importlib.util
-
-  import jax
-  import jax.numpy as jnp
-
-  from longhorizon import envs
-  from longhorizon.train.async_rollout import AsyncRollouts
-  from longhorizon.train.learner import Learner
-  from longhorizon.train.metrics import Timer
-
   envs.register(REGISTERED_NAME, LatencyEnv, overwrite=True)
   spec = importlib.util.spec_from_file_location("_lh_default_config",
                                                 os.path.join(_ROOT, "configs", "default.py"))
