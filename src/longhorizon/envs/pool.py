@@ -44,6 +44,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import importlib
 import json
 import multiprocessing
 import os
@@ -60,6 +61,8 @@ __all__ = ["EnvPool", "RateLimited", "ReplayEnvironment", "BACKENDS", "load_reco
            "CircuitBreaker"]
 
 BACKENDS = ("thread", "process", "serial", "ray")  # "ray": envs/ray_pool.py (optional extra)
+# Backends in modules of their own, imported when chosen (ray_pool builds on this module).
+_PLUGIN_BACKENDS = {"ray": "longhorizon.envs.ray_pool:RayBackend"}
 
 
 class RateLimited(Exception):
@@ -609,11 +612,10 @@ class EnvPool:
     if self.backend is not None and len(self._backend_rows) == rows:
       return
     self.close()
-    if self.backend_name == "ray":  # optional dependency: imported only when chosen
-      from longhorizon.envs.ray_pool import RayBackend  # pylint: disable=C0415
-      cls = RayBackend
-    else:
-      cls = _BACKEND_CLASSES[self.backend_name]
+    cls = _BACKEND_CLASSES.get(self.backend_name)
+    if cls is None:  # a plug-in backend named by import path (the optional Ray one)
+      module, _, name = _PLUGIN_BACKENDS[self.backend_name].partition(":")
+      cls = getattr(importlib.import_module(module), name)
     self.backend = cls(self.factory, rows, self.workers, self.timeout_s)
     self._backend_rows = range(rows)
     if self.backend_name != "serial":
