@@ -17,6 +17,8 @@ Variants (`--config=configs/horizon_sweep.py:VARIANT`):
                  alone takes ~40 min per seed).
   accelerator    the same sweep at accelerator scale: N up to 32 on both envs, a 4-layer d=256
                  policy, 60 updates of 32 tasks x 8 rollouts (15,360 episodes per run).
+  textworld      TextWorld coin-collector quests of length 2, 4 and 8 (a host environment stepped
+                 by a process pool; needs the [textworld] extra), grpo and gigpo, one seed.
   smoke          minutes on a CPU: pointer_chain N in {2, 4}, gridworld N=2, grpo and gigpo, one
                  seed, 2 updates.
 Every run of a cell (env, N, seed) starts from the same SFT warm start (noisy demonstrator,
@@ -30,7 +32,7 @@ import os
 import ml_collections
 
 ALGORITHMS = ("grpo", "drgrpo", "rloo", "ppo_gae", "ppo_lagae", "gigpo")
-VARIANTS = ("cpu", "accelerator", "smoke")
+VARIANTS = ("cpu", "accelerator", "textworld", "smoke")
 
 
 def _default_config():
@@ -68,6 +70,7 @@ def get_config(arg=None):
   config.sweep = ml_collections.ConfigDict()
   config.sweep.pointer_chain = (2, 4, 8, 16)
   config.sweep.gridworld = (2, 4, 8)
+  config.sweep.textworld = ()  # quest lengths (variant "textworld"; needs the [textworld] extra)
   config.sweep.algorithms = ALGORITHMS
   config.sweep.seeds = (0, 1, 2)
   if variant == "accelerator":
@@ -82,6 +85,20 @@ def get_config(arg=None):
     config.eval.k = 4
     config.sweep.pointer_chain = (2, 4, 8, 16, 32)
     config.sweep.gridworld = (2, 4, 8, 16, 32)
+  elif variant == "textworld":  # TextWorld coin-collector quests (host environment, process pool)
+    config.sweep.pointer_chain = ()
+    config.sweep.gridworld = ()
+    config.sweep.textworld = (2, 4, 8)
+    config.sweep.algorithms = ("grpo", "gigpo")
+    config.sweep.seeds = (0,)
+    config.tasks.train_size = 96
+    config.tasks.test_size = 32
+    config.tasks.ood_size = 8
+    config.eval.num_tasks = 32
+    config.rollout.turn_tokens = 8
+    config.pool.backend = "process"
+    config.pool.workers = 2
+    config.pool.timeout_s = 60.0  # a game's first reset generates and compiles it
   elif variant == "smoke":
     config.num_updates = 2
     config.rollout.num_tasks = 4

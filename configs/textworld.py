@@ -19,18 +19,18 @@ def get_config(arg=None):
   config = default.get_config()
   config.num_updates = 40
   config.env.name = "textworld"
-  config.env.params = {"family": "quest", "quest_length": 4, "nb_rooms": 4, "nb_objects": 8,
-                       "ood_quest_length": 8, "ood_nb_rooms": 8}
+  config.env.params = {"family": "coin", "quest_length": 4, "nb_rooms": 8,
+                       "ood_quest_length": 8, "ood_nb_rooms": 16}
   config.env.max_steps = 8
   config.tasks.train_size = 96
   config.tasks.test_size = 32
   config.tasks.ood_size = 16
   config.rollout.num_tasks = 8
   config.rollout.group_size = 8
-  config.rollout.context_length = 448
-  config.rollout.turn_tokens = 14
-  config.sft.steps = 60
-  config.sft.episodes = 64
+  config.rollout.context_length = 512
+  config.rollout.turn_tokens = 8
+  config.sft.steps = 100
+  config.sft.episodes = 96
   config.sft.demo_epsilon = 0.2
   config.eval.num_tasks = 32
   config.eval.k = 4

@@ -37,7 +37,7 @@ flags.mark_flags_as_required(["config", "out"])
 
 def cells_of(config, only_env=()):
   sweep = config.sweep
-  envs = [e for e in ("pointer_chain", "gridworld") if e in sweep and sweep[e]]
+  envs = [e for e in ("pointer_chain", "gridworld", "textworld") if e in sweep and sweep[e]]
   unknown = sorted(set(only_env) - set(envs))
   if unknown:
     raise app.UsageError(f"--only_env={','.join(only_env)}: {unknown} not in the sweep ({envs}).")

@@ -37,7 +37,8 @@ EXPECTED = {
         ["runs,", "LIVE_ABLATION_OK", "H=17  p^H="], ["image/png", "text/markdown"]),
     "custom_environment.ipynb": (
         ["oracle: success 1.000", "oracle success through the text path: 1.00",
-         "untrained policy: test success", "SFT warm start", "episode 0 (group 0)"],
+         "untrained policy: test success", "SFT warm start", "episode 0 (group 0)",
+         "host environments: [", "host keypad test success: SFT warm start"],
         ["image/png"]),
 }
 

@@ -308,12 +308,11 @@ class TextWorldGames(HostEnvironment):
 
   @classmethod
   def horizon_settings(cls, horizon: int) -> dict:
-    """Quest of `horizon` actions: the walkthrough is at most `horizon` commands (measured on
-    "quest" games of length 2-32: exactly `horizon` in 15 of 16, one length-8 game needed 3); a
-    turn is a command of a few words and a reply of up to a room description (measured with the
-    word-level tokenizer: median 23, max 189 tokens)."""
-    return {"params": {"family": "quest", "quest_length": horizon, "ood_quest_length": horizon},
-            "actions": horizon, "turn_tokens": 224}
+    """A coin-collector quest of `horizon` actions (`horizon - 1` moves, then `take coin`); a turn
+    is a two-word command and a room description, and the objective spells the route, so the
+    prompt grows with the horizon (budgets from the word-level tokenizer's counts)."""
+    return {"params": {"family": "coin", "quest_length": horizon, "ood_quest_length": horizon},
+            "actions": horizon, "turn_tokens": 72, "prompt_tokens": 64 + 24 * horizon}
 
   def __init__(self, family: str = "quest", quest_length: int = 4, nb_rooms: int | None = None,
                nb_objects: int | None = None, ood_quest_length: int | None = None,

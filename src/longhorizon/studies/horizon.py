@@ -87,12 +87,14 @@ def actions_needed(env_name: str, horizon: int) -> int:
 
 def _env_settings(env_name: str, horizon: int) -> dict[str, Any]:
   """Environment parameters and budgets for one horizon: a step limit with some slack to recover
-  from a wrong action, and a context budget that holds the longest episode."""
+  from a wrong action, and a context budget that holds the longest episode (the prompt's
+  `prompt_tokens`, default 48, and `turn_tokens` per step)."
   settings = _horizon_settings(env_name, horizon)
   actions = settings["actions"]
   max_steps = actions + max(2, actions // 4)
   return {"env.name": env_name, "env.params": settings["params"], "env.max_steps": max_steps,
-          "rollout.context_length": 48 + settings["turn_tokens"] * (max_steps + 1)}
+          "rollout.context_length": (settings.get("prompt_tokens", 48)
+                                     + settings["turn_tokens"] * (max_steps + 1))}
 
 
 def cell_config(base, env_name: str, horizon: int, algorithm: str, seed: int):
