@@ -13,7 +13,9 @@ latency `L` takes about `max(L)`, not `B x L`:
 * backend `process`: rows are spread over `workers` processes (a `forkserver` context: workers fork
   from a clean server, never from the JAX process), each running its rows' calls one at a time
   (isolation; CPU-bound Python environments);
-* backend `serial`: one call after another in the calling thread (the reference for benchmarks).
+* backend `serial`: one call after another in the calling thread (the reference for benchmarks);
+* backend `ray`: rows spread over Ray actors (`envs/ray_pool.py`, the `[ray]` extra), to scale
+  environment workers out over a cluster.
 
 A call that fails (raises, exceeds `timeout_s`, returns `env_error=True`, or meets a rate-limit
 error) is retried up to `retries` times (seed §3.4: retry, and only if still failing mask it),

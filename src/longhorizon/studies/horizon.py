@@ -88,7 +88,7 @@ def actions_needed(env_name: str, horizon: int) -> int:
 def _env_settings(env_name: str, horizon: int) -> dict[str, Any]:
   """Environment parameters and budgets for one horizon: a step limit with some slack to recover
   from a wrong action, and a context budget that holds the longest episode (the prompt's
-  `prompt_tokens`, default 48, and `turn_tokens` per step)."
+  `prompt_tokens`, default 48, and `turn_tokens` per step)."""
   settings = _horizon_settings(env_name, horizon)
   actions = settings["actions"]
   max_steps = actions + max(2, actions // 4)
@@ -148,7 +148,7 @@ def _oracle_episodes(learner: Learner):
   c = learner.config
   source = learner.eval_tasks["test"]
   tasks = task_suites.stack(source, range(min(c.eval.num_tasks, len(source))))
-  keys = jax.random.split(jax.random.key(c.seed + 101), len(jax.tree.leaves(tasks)[0]))
+  keys = jax.random.split(jax.random.key(c.seed + 101), task_suites.count(tasks))
   oracle, _ = rollout.collect(None, None, learner.env, learner.codec, tasks, keys,
                               learner.rollout.collect_config(c.env.max_steps, group_size=1),
                               sampling_seed=0,

@@ -196,7 +196,9 @@ class PoolOptions(Options):
   tool_rate_limits: tuple = option(())
   breaker_failures: int = option(0, range=Range(int, 0, note="consecutive failures; 0 = off"))
   breaker_cooldown_s: float = option(5.0, range=POSITIVE)
-  record_path: str = option("")  # JSON lines of every call and result ("": off)
+  # JSON lines of every call and result, one line per finished episode ("": off), e.g.
+  # WORKDIR/env_calls.jsonl; `envs.pool.ReplayEnvironment` serves them again without the environment.
+  record_path: str = option("")
 
   def check(self):
     for item in self.tool_rate_limits:
