@@ -901,6 +901,8 @@ def _grade(run: _Run, cases: list, show: bool) -> tuple[int, list[str]]:
   if run.results is None:
     if run.timed_out:
       why = "timed out (the time limit was hit: an infinite loop?)"
+    elif run.exit_code == -signal.SIGXCPU:  # RLIMIT_CPU, set to the wall limit: whichever fires first
+      why = "timed out (the CPU time limit was hit: an infinite loop?)"
     elif run.exit_code is not None and run.exit_code < 0:
       why = f"killed by signal {-run.exit_code} (a CPU, memory or file-size limit?)"
     else:
