@@ -262,13 +262,7 @@ class Codec:
   def _parse_tool_call(self, text: str):
     call, message = parse_tool_call(text, parse_int=_json_int)
     if call is None:
-      if message.startswith("no <tool_call>") or message.startswith("tool call must be text"):
-        code = ErrorCode.GARBAGE
-      elif message.startswith("unexpected text after") or message.startswith("more than one"):
-        code = ErrorCode.EXTRA_TEXT
-      else:
-        code = ErrorCode.BAD_JSON
-      return Action.invalid(code, self.env.num_args), False, message
+      return Action.invalid(tool_call_error(message), self.env.num_args), False, message
     name, arguments = call["name"], call["arguments"]
     if name not in self._tools:
       return self._fail(ErrorCode.UNKNOWN_TOOL,
@@ -287,6 +281,16 @@ class Codec:
         return self._fail(ErrorCode.BAD_ARGUMENT, problem)
       values.append(value)
     return Action.make(index, values, self.env.num_args), True, ""
+
+
+def tool_call_error(message: str) -> ErrorCode:
+  """The `ErrorCode` of a failed `parse_tool_call`, from its message (shared by the JAX codecs
+  and `host.parse_call`)."""
+  if message.startswith("no <tool_call>") or message.startswith("tool call must be text"):
+    return ErrorCode.GARBAGE
+  if message.startswith("unexpected text after") or message.startswith("more than one"):
+    return ErrorCode.EXTRA_TEXT
+  return ErrorCode.BAD_JSON
 
 
 def observation_frame(tokenizer, style: str, tool_schemas, end_of_turn: str) -> tuple[str, str]:

@@ -39,6 +39,7 @@ import re
 import zlib
 from typing import Any, Sequence
 
+from longhorizon.envs.codec import tool_call_error
 from longhorizon.envs.host_codec import HostCodec
 from longhorizon.envs.rewards import RewardSpec
 from longhorizon.envs.types import ERROR_MESSAGES, ErrorCode
@@ -272,13 +273,7 @@ def parse_call(text: str, tools: Sequence[dict], style: str = "tool_call") -> Ca
 def _parse_json_call(text: str, by_name: dict) -> Call:
   call, message = parse_tool_call(text)
   if call is None:
-    if message.startswith("no <tool_call>") or message.startswith("tool call must be text"):
-      code = ErrorCode.GARBAGE
-    elif message.startswith("unexpected text after") or message.startswith("more than one"):
-      code = ErrorCode.EXTRA_TEXT
-    else:
-      code = ErrorCode.BAD_JSON
-    return Call(error=int(code), message=message)
+    return Call(error=int(tool_call_error(message)), message=message)
   name, arguments = call["name"], call["arguments"]
   if name not in by_name:
     return _fail(ErrorCode.UNKNOWN_TOOL, f"{_snip(name)}; available tools: {sorted(by_name)}")
