@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from longhorizon.envs.codec import Codec
-from longhorizon.envs.rewards import RewardSpec
+from longhorizon.envs.rewards import RewardSpec, reward_spec_of
 from longhorizon.envs.types import Action, EnvState, ErrorCode, TimeStep, Tool, hash_tree, select
 
 __all__ = ["Environment", "Transition", "RewardSpec", "SPLITS"]
@@ -58,13 +58,7 @@ class Environment(abc.ABC):
   milestone_names: tuple[str, ...] = ()
 
   def __init__(self, reward: RewardSpec | None = None, **reward_kwargs):
-    if reward is not None and reward_kwargs:
-      raise ValueError("pass either reward=RewardSpec(...) or reward keyword arguments, not both.")
-    unknown = sorted(set(reward_kwargs) - {f.name for f in dataclasses.fields(RewardSpec)})
-    if unknown:
-      raise TypeError(f"{type(self).__name__}: unknown parameter(s) {unknown}; reward weights are "
-                      f"the RewardSpec fields {[f.name for f in dataclasses.fields(RewardSpec)]}.")
-    self.reward_spec = reward or RewardSpec(**reward_kwargs)
+    self.reward_spec = reward_spec_of(type(self).__name__, reward, reward_kwargs)
 
   # ------------------------------------------------------------------ what a subclass provides
   @property

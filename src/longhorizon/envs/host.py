@@ -41,7 +41,7 @@ from typing import Any, Sequence
 
 from longhorizon.envs.codec import tool_call_error
 from longhorizon.envs.host_codec import HostCodec
-from longhorizon.envs.rewards import RewardSpec
+from longhorizon.envs.rewards import RewardSpec, reward_spec_of
 from longhorizon.envs.types import ERROR_MESSAGES, ErrorCode
 from longhorizon.text import parse_tool_call
 
@@ -96,13 +96,7 @@ class HostEnvironment:
   default_backend: str = "thread"
 
   def __init__(self, reward: RewardSpec | None = None, **reward_kwargs):
-    if reward is not None and reward_kwargs:
-      raise ValueError("pass either reward=RewardSpec(...) or reward keyword arguments, not both.")
-    unknown = sorted(set(reward_kwargs) - {f.name for f in dataclasses.fields(RewardSpec)})
-    if unknown:
-      raise TypeError(f"{type(self).__name__}: unknown parameter(s) {unknown}; reward weights are "
-                      f"the RewardSpec fields {[f.name for f in dataclasses.fields(RewardSpec)]}.")
-    self._reward_spec = reward or RewardSpec(**reward_kwargs)
+    self._reward_spec = reward_spec_of(type(self).__name__, reward, reward_kwargs)
 
   @property
   def reward_spec(self) -> RewardSpec:

@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-__all__ = ["RewardSpec", "compose_rewards"]
+__all__ = ["RewardSpec", "compose_rewards", "reward_spec_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +41,19 @@ class RewardSpec:
           value) or value < 0:
         raise ValueError(f"RewardSpec.{field.name} must be a finite number >= 0 (penalties are "
                          f"subtracted), got {value!r}.")
+
+
+def reward_spec_of(owner: str, reward: RewardSpec | None, reward_kwargs: dict) -> RewardSpec:
+  """An environment's spec from its constructor's `reward=` or reward keyword arguments (not
+  both); an unknown keyword raises a TypeError naming `owner` and the RewardSpec fields."""
+  names = [f.name for f in dataclasses.fields(RewardSpec)]
+  if reward is not None and reward_kwargs:
+    raise ValueError("pass either reward=RewardSpec(...) or reward keyword arguments, not both.")
+  unknown = sorted(set(reward_kwargs) - set(names))
+  if unknown:
+    raise TypeError(f"{owner}: unknown parameter(s) {unknown}; reward weights are the RewardSpec "
+                    f"fields {names}.")
+  return reward or RewardSpec(**reward_kwargs)
 
 
 def compose_rewards(spec: RewardSpec, *, step_mask, milestones, cost, violation, invalid,
