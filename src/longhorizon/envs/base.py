@@ -23,7 +23,6 @@ Nothing computed is stored on `self`; parameters are set at construction (`make(
 from __future__ import annotations
 
 import abc
-import dataclasses
 from typing import Any, NamedTuple
 
 import jax
