@@ -28,22 +28,14 @@ Result: `<workdir_root>/sweep.json` lists each run's status; each run's workdir 
 so this sweep measures them at GRPO's settings, and the seeds show the spread of each.
 """
 
-import importlib.util
 import os
 
 from longhorizon.studies import sweeps
 
+_DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py")
+
 ALGORITHMS = ("grpo", "drgrpo", "rloo", "reinforce_pp", "gigpo", "ppo")
 SEEDS = (0, 1, 2)
-
-
-def _default_config_module():
-  """configs/default.py, loaded from the file beside this one (configs/ is not a package)."""
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py")
-  spec = importlib.util.spec_from_file_location("longhorizon_configs_default", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 def _check(arg):
@@ -55,7 +47,7 @@ def _check(arg):
 def get_config(arg=None):
   """default.py's config (its smoke variant for `:smoke`); the sweep sets algorithm and seed."""
   _check(arg)
-  return _default_config_module().get_config(arg or None)
+  return sweeps.config_module(_DEFAULT).get_config(arg or None)
 
 
 def get_sweep(arg=None):

@@ -26,28 +26,23 @@ epsilon 0.1), so the algorithms differ only in credit assignment; all share ever
 hyperparameter (none is tuned per algorithm).
 """
 
-import importlib.util
 import os
 
 import ml_collections
 
+from longhorizon.studies import sweeps
+
+_DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py")
+
 ALGORITHMS = ("grpo", "drgrpo", "rloo", "ppo_gae", "ppo_lagae", "gigpo")
 VARIANTS = ("cpu", "accelerator", "textworld", "smoke")
-
-
-def _default_config():
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py")
-  spec = importlib.util.spec_from_file_location("longhorizon_configs_default", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
 
 
 def get_config(arg=None):
   variant = arg or "cpu"
   if variant not in VARIANTS:
     raise ValueError(f"unknown variant {arg!r} of configs/horizon_sweep.py; use one of {VARIANTS}.")
-  config = _default_config()
+  config = sweeps.config_module(_DEFAULT).get_config()
   config.unlock()
   config.num_updates = 12
   config.rollout.num_tasks = 8

@@ -18,22 +18,17 @@ the smoke variant is run; its numbers are in docs/notes/issue-05.md.
 Every field not set here is `configs/default.py`'s (documented there).
 """
 
-import importlib.util
 import os
 
 import ml_collections
 
+from longhorizon.studies import sweeps
 
-def _default_config():
-  spec = importlib.util.spec_from_file_location(
-      "longhorizon_default_config", os.path.join(os.path.dirname(__file__), "default.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+_DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py")
 
 
 def get_config(arg=None):
-  config = _default_config()
+  config = sweeps.config_module(_DEFAULT).get_config()
   config.unlock()
   config.num_updates = 200
   config.env.name = "calculator"

@@ -14,11 +14,15 @@ games disjoint; the warm start is SFT on a small budget of noisy walkthrough epi
 Variants: `configs/textworld.py:smoke` (a few updates, for tests).
 """
 
-from configs import default
+import os
+
+from longhorizon.studies import sweeps
+
+_DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py")
 
 
 def get_config(arg=None):
-  config = default.get_config()
+  config = sweeps.config_module(_DEFAULT).get_config()
   config.num_updates = 40
   config.env.name = "textworld"
   config.env.params = {"family": "coin", "quest_length": 4, "nb_rooms": 8,

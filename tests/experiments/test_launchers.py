@@ -288,3 +288,31 @@ def test_tpu_missing_or_unknown_flags_print_usage_and_exit_2(flag_list, message)
   assert result.stdout == ""
   assert message in result.stderr
   assert "bash experiments/launch_tpu_pod.sh --tpu=NAME --zone=ZONE" in result.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Every config file loads the way experiments/train.py loads it.
+
+
+_LOAD = """
+import sys
+from absl import flags
+from ml_collections import config_flags
+from longhorizon.train import config as config_lib
+spec = config_flags.DEFINE_config_file("config", None)
+flags.FLAGS(["prog", "--config=" + sys.argv[1]])
+if "num_updates" in spec.value:  # a training config (not the kernels benchmark's)
+  config_lib.validate(spec.value)
+print("loaded")
+"""
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.py")))
+def test_config_file_loads_without_the_repo_on_sys_path(name):
+  # `python -I`: neither the working directory nor PYTHONPATH is on sys.path, as for
+  # `python experiments/train.py` (whose sys.path[0] is experiments/): a config that builds on
+  # default.py must load it by path (sweeps.config_module), not `from configs import default`.
+  result = subprocess.run([sys.executable, "-I", "-c", _LOAD, f"configs/{name}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, check=False)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert result.stdout.startswith("loaded")

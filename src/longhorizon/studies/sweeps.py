@@ -134,15 +134,22 @@ def split_config_spec(spec: str) -> tuple[str, str | None]:
   return path, (arg or None)
 
 
+def config_module(path: str):
+  """The config file at `path` as a module (configs/ is not a package: a config file that builds
+  on another one loads it with `config_module(os.path.join(os.path.dirname(__file__), "x.py"))`)."""
+  module_name = "longhorizon_config_" + hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:8]
+  module_spec = importlib.util.spec_from_file_location(module_name, path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module
+
+
 def load_sweep(spec: str) -> tuple[Any, list[Overrides]]:
   """Loads `get_config(arg)` and `get_sweep(arg)` from the config file of `spec` (`path[:arg]`)."""
   path, arg = split_config_spec(spec)
   if not os.path.isfile(path):
     raise ValueError(f"--config={spec}: no config file {path!r} (relative to {os.getcwd()}).")
-  module_name = "longhorizon_sweep_config_" + hashlib.sha1(path.encode()).hexdigest()[:8]
-  module_spec = importlib.util.spec_from_file_location(module_name, path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
+  module = config_module(path)
   if not hasattr(module, "get_sweep"):
     raise ValueError(f"{path} defines no get_sweep(arg=None); add one returning a list of override "
                      "dicts, e.g. longhorizon.studies.sweeps.product({'config.seed': [0, 1, 2]}).")
