@@ -149,3 +149,16 @@ def test_any_config_that_validates_runs_an_update(tmp_path):
 
   check()
   assert len(accepted) == 8, accepted
+
+
+def test_warm_start_logs_its_demonstrations_and_progress(tmp_path, caplog):
+  config = _config(**{"tasks.data_dir": str(tmp_path / "tasks"), "sft.steps": 10,
+                      "sft.episodes": 8})
+  s = Learner.build(config)
+  with s.in_mesh(), caplog.at_level("INFO"):
+    _, metrics = s.warm_start(s.initial_state())
+  lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("SFT")]
+  assert lines[0].startswith("SFT: 8 demonstration episodes in "), lines
+  # Every fifth of the steps (2, 4, ..., 10), with the step's loss; the last one is the returned.
+  assert [line.split(":")[0] for line in lines[1:]] == [f"SFT step {i}/10" for i in (2, 4, 6, 8, 10)]
+  assert f"nll {metrics['sft_nll']:.3f}" in lines[-1]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import time
 from typing import Any
 
 from absl import logging
@@ -373,24 +374,33 @@ class Learner:
     if not c.sft.steps:
       return state, {}
     n = c.sft.episodes
+    start = time.perf_counter()
     batch, _ = rollout.collect(
         None, None, self.env, self.codec, self.tasks_at(0, n),
         jax.random.split(key(c.seed, 4), n),
         self.rollout.collect_config(c.env.max_steps, group_size=1), sampling_seed=0,
         scripted=rollout.oracle_turns(self.env, self.codec, c.sft.demo_epsilon, seed=c.seed))
+    logging.info("SFT: %d demonstration episodes in %.1f s (success %.2f, %.1f steps and %.0f "
+                 "tokens each).", n, time.perf_counter() - start, float(batch.success.mean()),
+                 float(np.mean(batch.num_steps)),
+                 float(np.asarray(batch.attention_mask).sum(-1).mean()))
     if not c.sft.demo_epsilon and not batch.success.all():
       logging.warning("oracle SFT episodes: only %.2f succeed (context budget or step limit too "
                       "small?)", float(batch.success.mean()))
     batch = to_device(batch)
     sft_opt = make_optimizer(c.sft.learning_rate, max_grad_norm=self.optim.max_grad_norm)
     sft_state = state.replace(opt_state=sft_opt.init(state.params))
-    metrics = {}
-    for _ in range(c.sft.steps):
+    metrics, start, every = {}, time.perf_counter(), max(1, c.sft.steps // 5)
+    for step in range(1, c.sft.steps + 1):
       sft_state, metrics = sft_update(sft_state, batch, config=self.model_config,
                                       optimizer=sft_opt, minibatches=c.sft.minibatches)
       # One step in flight: on a multi-device mesh the CPU client deadlocks once a device has 32
       # queued computations with collectives (BUILD_NOTES.md, issue 15, "sharded SFT deadlock").
       jax.block_until_ready(sft_state)
+      if step % every == 0 or step == c.sft.steps:
+        logging.info("SFT step %d/%d: nll %.3f, token accuracy %.3f (%.1f s).", step, c.sft.steps,
+                     float(metrics["sft_nll"]), float(metrics["sft_token_accuracy"]),
+                     time.perf_counter() - start)
     metrics = {k: float(v) for k, v in metrics.items()}
     # `sft_update` donated `sft_state` (and the buffers it shared with `state`): continue from it.
     return sft_state.replace(opt_state=self.optimizer.init(sft_state.params)), metrics
