@@ -121,3 +121,32 @@ def test_validate_rejects_a_step_without_policy_tokens():
 def test_validate_rejects_env_error_kind_without_error_step():
   with pytest.raises(ValueError, match="ENV_ERROR in a row without any env_error"):
     _two_episodes().replace(env_error=np.zeros((2, 3), bool)).validate()
+
+
+def test_used_length_is_one_past_the_last_attended_token():
+  assert episode.used_length(_two_episodes()) == 7  # row 1 attends positions 0..6
+  assert episode.used_length(episode.empty(2, 8, 3)) == 0
+
+
+@pytest.mark.parametrize("used,full,buckets,want", [
+    (7, 8, 0, 8),  # off
+    (7, 8, 4, 8),  # step 2 -> rounded up to 8: one bucket
+    (100, 512, 4, 128), (128, 512, 4, 128), (129, 512, 4, 256), (400, 512, 4, 512),
+    (0, 512, 4, 128), (512, 512, 4, 512), (600, 512, 4, 512),
+    (100, 640, 4, 160), (161, 640, 4, 320), (100, 100, 3, 100), (30, 100, 3, 40)])
+def test_bucket_length_picks_the_smallest_even_bucket_that_holds_the_episodes(used, full, buckets,
+                                                                            want):
+  assert episode.bucket_length(used, full, buckets) == want
+
+
+def test_trim_cuts_only_padding_and_keeps_the_batch_valid():
+  batch = _two_episodes()
+  cut = episode.trim(batch, 7).validate()
+  assert cut.context_length == 7
+  for name in ("tokens", "positions", "attention_mask", "loss_mask", "turn", "behavior_logprobs"):
+    np.testing.assert_array_equal(getattr(cut, name), np.asarray(getattr(batch, name))[:, :7])
+  for name in ("rewards", "step_mask", "success", "num_steps"):  # step and row fields untouched
+    np.testing.assert_array_equal(getattr(cut, name), getattr(batch, name))
+  assert episode.trim(batch, 8) is batch
+  with pytest.raises(ValueError, match="length 6 would cut attended tokens"):
+    episode.trim(batch, 6)

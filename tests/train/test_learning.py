@@ -129,6 +129,49 @@ def test_update_is_traced_once(warm, assert_no_retrace):
   assert s.update_fn(*calls[1][0]) is update  # one jitted update per learner
 
 
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum-norm"])
+def test_a_batch_cut_to_its_length_bucket_updates_like_the_full_length_one(warm, agg):
+  """The update on `Learner.trimmed(batch)` (padding cut) gives the full-length update's parameters,
+  also for Dr.GRPO's aggregation, whose constant is rollout.context_length, not the cut length."""
+  s, state = warm
+  s = dataclasses.replace(s, loss=dataclasses.replace(s.loss, agg=agg))
+  db = _batch(s, state)
+  cut = s.trimmed(db)
+  assert cut.context_length < db.context_length  # 1-hop episodes use a fraction of the context
+  assert s.loss.norm_length == db.context_length
+
+  def run(b):
+    st = jax.tree.map(jnp.array, state)
+    new, metrics = s.update(st, b, s.learn_inputs(jax.tree.map(jnp.array, state), b))
+    return jax.device_get(new.params), jax.device_get(metrics)
+
+  full_params, full_metrics = run(db)
+  cut_params, cut_metrics = run(cut)
+  for name in ("loss", "grad_norm"):  # a wrong Dr.GRPO constant scales both by full / cut length
+    np.testing.assert_allclose(cut_metrics[name], full_metrics[name], rtol=1e-4, atol=1e-6)
+  # Adam normalises each coordinate, so float noise in near-zero gradients moves a parameter by up
+  # to ~lr per step: compare to a fraction of the largest change the update made.
+  change = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(full_params),
+                                                          jax.tree.leaves(state.params)))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=0.1 * change), cut_params,
+               full_params)
+
+
+def test_learn_compiles_once_per_length_bucket(warm):
+  s, state = warm
+  s = dataclasses.replace(s)  # a fresh jit cache
+  lengths, timer = [], Timer()
+  with jax.log_compiles(False):
+    for update in range(3):
+      batch, stats = s.collect_batch(state.params, update, 1000 + 8 * update, timer)
+      lengths.append(s.trimmed(batch).context_length)
+      state, metrics = s.learn(jax.tree.map(jnp.array, state), batch, stats, timer)
+      assert metrics["update_length"] == lengths[-1]
+  assert len(s._jitted) == 1
+  update = next(iter(s._jitted.values()))
+  assert update._cache_size() == len(set(lengths))  # one compilation per bucket used
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(algorithms.ALGORITHMS))
 def test_every_algorithm_improves_success(warm, name):

@@ -22,7 +22,8 @@ import numpy as np
 
 from longhorizon.core import advantages as _advantages
 
-__all__ = ["EpisodeBatch", "Termination", "empty", "to_device", "place_step_rewards", "broadcast_steps"]
+__all__ = ["EpisodeBatch", "Termination", "bucket_length", "empty", "to_device", "trim",
+           "used_length", "place_step_rewards", "broadcast_steps"]
 
 # Re-exported: the two step <-> token helpers belong with the data model as much as with the math.
 place_step_rewards = _advantages.place_step_rewards
@@ -193,6 +194,38 @@ def _fmt(dims, values):
 def _check(ok, field, problem):
   if not ok:
     raise ValueError(f"EpisodeBatch.{field} {problem}.")
+
+
+def used_length(batch: EpisodeBatch) -> int:
+  """The token positions any row of `batch` uses: one past the last attended token (host)."""
+  attended = np.asarray(batch.attention_mask).any(0)
+  return int(np.flatnonzero(attended)[-1]) + 1 if attended.any() else 0
+
+
+def bucket_length(used: int, full: int, buckets: int) -> int:
+  """The smallest of `buckets` evenly spaced lengths `full/buckets, 2 full/buckets, ..., full`
+  (rounded up to multiples of 8) that holds `used` tokens; `full` when `buckets` is 0 (off)."""
+  if buckets <= 0 or used >= full:
+    return full
+  step = -(-full // buckets)
+  step = -(-step // 8) * 8
+  return min(full, max(1, -(-used // step)) * step)
+
+
+def trim(batch: EpisodeBatch, length: int) -> EpisodeBatch:
+  """`batch` with its token axis (the `L` fields) cut to the first `length` positions.
+
+  Padding is on the right, so cutting after `used_length` drops only padding, and every per-token
+  quantity of the kept positions is unchanged (causal attention: a token never sees the ones after
+  it). Raises ValueError if the cut would drop an attended token.
+  """
+  if length < used_length(batch):
+    raise ValueError(f"trim: length {length} would cut attended tokens (the batch uses "
+                     f"{used_length(batch)} positions).")
+  if length >= np.shape(batch.tokens)[1]:
+    return batch
+  return batch.replace(**{name: getattr(batch, name)[:, :length]
+                          for name, spec in _SCHEMA.items() if "L" in spec.dims})
 
 
 def empty(batch_size: int, context_length: int, max_steps: int) -> EpisodeBatch:

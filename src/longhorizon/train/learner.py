@@ -38,6 +38,7 @@ import numpy as np
 
 from longhorizon import envs
 from longhorizon import rollout
+from longhorizon.core import episode as episode_lib
 from longhorizon.core.episode import Termination, to_device
 from longhorizon.envs import tasks as task_suites
 from longhorizon.models import Critic, ModelConfig, Transformer, init_params, sharding, tiny_config
@@ -214,7 +215,8 @@ class Learner:
     the typed options and optimisers are built here, from the config."""
     algorithm = AlgorithmOptions.from_config(config)
     loss = LossOptions.from_config(config)
-    loss = dataclasses.replace(loss, agg=loss.agg or algorithm.spec.default_agg)
+    loss = dataclasses.replace(loss, agg=loss.agg or algorithm.spec.default_agg,
+                               norm_length=loss.norm_length or config.rollout.context_length)
     optim = OptimOptions.from_config(config)
     total = max(config.num_updates * optim.epochs * optim.minibatches, 1)
     optimizer = make_optimizer(optim.learning_rate, warmup_steps=optim.warmup_steps,
@@ -309,7 +311,7 @@ class Learner:
     metrics)`; `state` is donated. `row_scale` (`[B]`, optional) multiplies the row weights: the
     async learner's staleness filter (0 drops an episode, < 1 down-weights it)."""
     with timer("update"):
-      db = to_device(batch)
+      db = to_device(self.trimmed(batch))
       if self.mesh is not None:  # data-parallel inputs: rows split over (data, fsdp)
         db = sharding.shard_batch(db, self.mesh, _mesh_rules(self.config))
       inputs = self.learn_inputs(state, db, row_scale)
@@ -317,9 +319,17 @@ class Learner:
       m = jax.device_get(m)
     metrics = {k: float(np.asarray(v)) for k, v in m.items()}
     metrics.update(episode_metrics(batch, inputs.row_weight))
+    metrics["update_length"] = float(np.shape(db.tokens)[1])
     metrics["_task_success"] = np.asarray(batch.success).reshape(self.rollout.num_tasks, -1).mean(-1)
     metrics.update({k: float(v) for k, v in stats.as_dict().items()})
     return state, metrics
+
+  def trimmed(self, batch):
+    """`batch` cut to the shortest of `optim.length_buckets` lengths that holds its episodes (the
+    update's and SFT's shapes: at most that many compilations each)."""
+    full = np.shape(batch.tokens)[1]
+    return episode_lib.trim(batch, episode_lib.bucket_length(
+        episode_lib.used_length(batch), full, self.optim.length_buckets))
 
   def step(self, state: TrainState, update: int, data_position: int, timer: Timer, hook=None,
            task_indices=None):
@@ -387,7 +397,7 @@ class Learner:
     if not c.sft.demo_epsilon and not batch.success.all():
       logging.warning("oracle SFT episodes: only %.2f succeed (context budget or step limit too "
                       "small?)", float(batch.success.mean()))
-    batch = to_device(batch)
+    batch = to_device(self.trimmed(batch))
     sft_opt = make_optimizer(c.sft.learning_rate, max_grad_norm=self.optim.max_grad_norm)
     sft_state = state.replace(opt_state=sft_opt.init(state.params))
     metrics, start, every = {}, time.perf_counter(), max(1, c.sft.steps // 5)

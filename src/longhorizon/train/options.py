@@ -229,3 +229,7 @@ class OptimOptions(Options):
   b2: float = option(0.999, range=Range(float, 0, 1, high_open=True))
   epochs: int = option(2, range=COUNT)  # passes over each batch
   minibatches: int = option(2, range=COUNT)  # optimiser steps per pass
+  # SFT and RL batches are cut to the smallest of this many evenly spaced lengths up to
+  # rollout.context_length that holds their longest episode (at most this many compiled shapes of
+  # each step; padding is most of a batch when episodes are short). 0 = always the full length.
+  length_buckets: int = option(4, range=NON_NEGATIVE_INT)

@@ -22,7 +22,8 @@ from typing import Callable
 
 from longhorizon.core import losses
 from longhorizon.core.losses import AGGREGATION_MODES, KL_ESTIMATORS
-from longhorizon.train.options import (COUNT, NON_NEGATIVE, Options, Range, fail, option)
+from longhorizon.train.options import (COUNT, NON_NEGATIVE, NON_NEGATIVE_INT, Options, Range, fail,
+                                       option)
 
 __all__ = ["LossOptions", "PolicyLoss", "POLICY_LOSSES", "ANCHORS", "register"]
 
@@ -74,6 +75,9 @@ class LossOptions(Options):
   value_coef: float = option(0.5, range=NON_NEGATIVE)  # algorithms with a critic
   value_clip: float = option(0.2, range=Range(float, 0, note="0 = no value clipping"))
   chunk_size: int = option(4096, range=COUNT)  # vocabulary chunk of the fused log-prob kernel
+  # The constant C of `seq-mean-token-sum-norm` (Dr.GRPO); 0 = the batch's padded length. The
+  # learner sets rollout.context_length, so a batch cut to a shorter bucket keeps its loss scale.
+  norm_length: int = option(0, range=NON_NEGATIVE_INT)
 
   def check(self):
     if self.dual_clip and self.dual_clip <= 1:
@@ -89,18 +93,21 @@ class LossOptions(Options):
 
 def _ppo_clip(logp, old_logp, adv, mask, is_weights, o: LossOptions):
   return losses.policy_loss(logp, old_logp, adv, mask, clip_low=o.clip_low, clip_high=o.clip_high,
-                            dual_clip=o.dual_clip or None, agg=o.agg, is_weights=is_weights)
+                            dual_clip=o.dual_clip or None, agg=o.agg, is_weights=is_weights,
+                            norm_constant=o.norm_length or None)
 
 
 def _gspo(logp, old_logp, adv, mask, is_weights, o: LossOptions):
   return losses.gspo_loss(logp, old_logp, adv, mask, clip_low=o.gspo_clip_low,
-                          clip_high=o.gspo_clip_high, agg=o.agg, is_weights=is_weights)
+                          clip_high=o.gspo_clip_high, agg=o.agg, is_weights=is_weights,
+                          norm_constant=o.norm_length or None)
 
 
 def _tis(logp, behavior_logp, adv, mask, is_weights, o: LossOptions):
   del is_weights  # the loss is itself the truncated-IS correction
   return losses.truncated_is_policy_loss(logp, behavior_logp, adv, mask,
-                                         threshold=o.tis_threshold, agg=o.agg)
+                                         threshold=o.tis_threshold, agg=o.agg,
+                                         norm_constant=o.norm_length or None)
 
 
 register(PolicyLoss("ppo_clip", _ppo_clip))

@@ -152,12 +152,14 @@ def _policy_loss(params, mb, *, config: ModelConfig, loss: LossOptions, temperat
   value, metrics = loss.spec.fn(logp, mb["old_logp"], mb["adv"], mb["mask"], mb["is_weights"], loss)
   metrics = dict(metrics, policy_loss=value, entropy=losses.masked_mean(ent, mb["mask"]))
   if loss.entropy_coef:
-    value = value - loss.entropy_coef * losses.aggregate(ent, mb["mask"], loss.agg)
+    value = value - loss.entropy_coef * losses.aggregate(ent, mb["mask"], loss.agg,
+                                                         loss.norm_length or None)
   if mb["ref_logp"] is not None:
     kl = losses.kl(logp, mb["ref_logp"], loss.kl_kind)
     metrics["kl_ref"] = losses.masked_mean(kl, mb["mask"])
     if loss.kl_coef:
-      value = value + loss.kl_coef * losses.aggregate(kl, mb["mask"], loss.agg)
+      value = value + loss.kl_coef * losses.aggregate(kl, mb["mask"], loss.agg,
+                                                   loss.norm_length or None)
   return value, metrics
 
 
