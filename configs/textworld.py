@@ -1,15 +1,17 @@
 """TextWorld quests (a host environment, `envs/textworld_games.py`): SFT on walkthroughs, then RL.
 
+  python experiments/prepare_textworld.py --config=configs/textworld.py   # once: the games
   python experiments/train.py --config=configs/textworld.py --workdir=/tmp/lh_textworld
 
 Needs the `[textworld]` extra (`pip install -e .[textworld]`). The policy is the small default
-decoder (2 layers, d=128) over a word-level tokenizer built from the games' vocabulary; games
-are generated offline by TextWorld's own generator on first use (coin games about 3 s of CPU
-each, cached under `$LONGHORIZON_DATA/textworld/`: the 544 games of this config take about 15
-minutes once). Coin-collector quests of length 4 (three moves and `take coin`; the objective
+decoder (2 layers, d=128) over a word-level tokenizer built from the games' vocabulary. Games are
+generated offline by TextWorld's own generator and cached under `$LONGHORIZON_DATA/textworld/`
+(coin games about 1 s of CPU each: the 4144 games of this config take about 40 minutes on two
+processes with the prepare script, resumable; a game missing from the cache is generated on its
+first reset). Coin-collector quests of length 4 (three moves and `take coin`; the objective
 describes the route in varied words, e.g. "take a trip east ... venture north"), train / test
-games disjoint; the warm start is SFT on a small budget of noisy walkthrough episodes
-(`sft.demo_epsilon`: a random admissible command instead of the walkthrough's), then GRPO.
+games disjoint; the warm start is SFT on noisy walkthrough episodes (`sft.demo_epsilon`: a random
+admissible command instead of the walkthrough's), then RL.
 
 Variants: `configs/textworld.py:smoke` (a few updates, for tests).
 """
@@ -28,7 +30,7 @@ def get_config(arg=None):
   config.env.params = {"family": "coin", "quest_length": 4, "nb_rooms": 8,
                        "ood_quest_length": 8, "ood_nb_rooms": 16}
   config.env.max_steps = 8
-  config.tasks.train_size = 512  # distinct games (96 were memorised: train 0.7, test 0.05)
+  config.tasks.train_size = 4096  # distinct games: 512 were memorised (see docs/notes/issue-17.md)
   config.tasks.test_size = 32
   config.tasks.ood_size = 16
   config.rollout.num_tasks = 8

@@ -168,6 +168,9 @@ def test_tasks_are_deterministic_and_splits_disjoint():
   env = TextWorldGames(family="quest", quest_length=2)
   assert env.tasks("train", 5, 0) == env.tasks("train", 5, 0)
   assert env.tasks("train", 5, 0) != env.tasks("train", 5, 1)
+  many = env.tasks("train", 3000, 0)  # prefix-stable, and no game twice
+  assert many[:5] == env.tasks("train", 5, 0)
+  assert len({t["game_seed"] for t in many}) == 3000
   train = {t["game_seed"] for t in env.tasks("train", 200, 0)}
   test = {t["game_seed"] for t in env.tasks("test", 200, 0)}
   ood = env.tasks("ood", 5, 0)
@@ -210,3 +213,28 @@ def test_factory_round_trip_and_import_without_textworld():
           "try:\n  e.vocabulary()\nexcept ImportError as x:\n  assert 'textworld' in str(x)\n"
           "else:\n  raise SystemExit('no ImportError')")
   subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.slow
+def test_prepare_script_generates_the_configs_games_and_resumes(data_dir):
+  """experiments/prepare_textworld.py builds every game of the config's splits into the cache (the
+  learner's own task lists), and a second run finds nothing left to do."""
+  import os
+  import pathlib
+  from longhorizon.envs import textworld_games
+  from longhorizon.studies import sweeps
+  root = pathlib.Path(__file__).parents[2]
+  command = [sys.executable, "experiments/prepare_textworld.py",
+             "--config=configs/textworld.py:smoke", "--workers=2"]
+  env = dict(os.environ, LONGHORIZON_DATA=str(data_dir))
+  first = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+  assert first.returncode == 0, first.stderr[-2000:]
+  config = sweeps.config_module(str(root / "configs" / "textworld.py")).get_config("smoke")
+  env_obj = make("textworld", **dict(config.env.params))
+  tasks = [t for split, n in (("train", 8), ("test", 4), ("ood", 2))
+           for t in env_obj.tasks(split, n, config.tasks.seed)]
+  assert (config.tasks.train_size, config.tasks.test_size, config.tasks.ood_size) == (8, 4, 2)
+  assert all(textworld_games.is_cached(t) for t in tasks)
+  assert "14 games (train 8, test 4, ood 2); 14 to generate" in first.stdout
+  second = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+  assert second.returncode == 0 and "; 0 to generate" in second.stdout, second.stdout

@@ -245,12 +245,19 @@ def _generate(task: dict, folder: Path, stem: str) -> Path:
   return folder / f"{stem}.z8"
 
 
+def is_cached(task: dict) -> bool:
+  """Whether the compiled game of `task` is in the cache (and validates)."""
+  folder, stem = cache_dir(), _game_stem(task)
+  story = folder / f"{stem}.z8"
+  return story.exists() and _valid_story(story) and _valid_json(folder / f"{stem}.json")
+
+
 def game_file(task: dict, regenerate: bool = False) -> Path:
   """The compiled story file of `task` (generated on first use, see the module docstring)."""
   folder = cache_dir()
   stem = _game_stem(task)
   story, meta = folder / f"{stem}.z8", folder / f"{stem}.json"
-  if not regenerate and story.exists() and _valid_story(story) and _valid_json(meta):
+  if not regenerate and is_cached(task):
     return story
   _require_textworld()
   path = _generate(task, folder, stem)
@@ -369,14 +376,20 @@ class TextWorldGames(HostEnvironment):
     offsets = {"train": 0, "test": 1, "ood": 2}
     if split not in offsets:
       raise ValueError(f"textworld: split must be one of {sorted(offsets)}, got {split!r}.")
-    rng = random.Random(f"textworld/{self.family}/{split}/{num}/{seed}")
+    # Prefix-stable: the first n tasks of a longer list are the n-task list (so a larger
+    # tasks.train_size reuses the cached games of a smaller one); game seeds never repeat.
+    rng = random.Random(f"textworld/{self.family}/{split}/{seed}")
     ood = split == "ood"
     length = self.ood_quest_length if ood else self.quest_length
     rooms = self.ood_nb_rooms if ood else self.nb_rooms
     objects = max(self.nb_objects, 2 * rooms) if ood else self.nb_objects
-    out = []
-    for _ in range(int(num)):
-      task = {"family": self.family, "game_seed": 3 * rng.randrange(1 << 20) + offsets[split],
+    out, seen = [], set()
+    while len(out) < int(num):
+      game_seed = 3 * rng.randrange(1 << 20) + offsets[split]
+      if game_seed in seen:
+        continue
+      seen.add(game_seed)
+      task = {"family": self.family, "game_seed": game_seed,
               "quest_length": length, "nb_rooms": rooms, "difficulty": length}
       if self.family == "quest":
         task["nb_objects"] = objects
