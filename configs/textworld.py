@@ -25,7 +25,7 @@ _DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py"
 
 def get_config(arg=None):
   config = sweeps.config_module(_DEFAULT).get_config()
-  config.num_updates = 28
+  config.num_updates = 40
   config.env.name = "textworld"
   config.env.params = {"family": "coin", "quest_length": 4, "nb_rooms": 8,
                        "ood_quest_length": 8, "ood_nb_rooms": 16}
