@@ -81,19 +81,31 @@ def get_config(arg=None):
     config.sweep.pointer_chain = (2, 4, 8, 16, 32)
     config.sweep.gridworld = (2, 4, 8, 16, 32)
   elif variant == "textworld":  # TextWorld coin-collector quests (host environment, process pool)
+    # The settings of the TextWorld learning run (experiments/results/textworld): many distinct
+    # games seen once by SFT (a few games are memorised), milestone rewards, 16 games per update
+    # at lr 1e-4. Build the games first: experiments/prepare_textworld.py with this config.
     config.sweep.pointer_chain = ()
     config.sweep.gridworld = ()
     config.sweep.textworld = (2, 4, 8)
     config.sweep.algorithms = ("grpo", "gigpo")
     config.sweep.seeds = (0,)
-    config.tasks.train_size = 96
+    config.num_updates = 24
+    config.rollout.num_tasks = 16
+    config.tasks.train_size = 1536  # 1024 SFT games, then 24 x 16 RL games: none seen twice
     config.tasks.test_size = 32
     config.tasks.ood_size = 8
     config.eval.num_tasks = 32
+    config.eval.k = 4
+    config.sft.steps = 12
+    config.sft.episodes = 1024
+    config.sft.minibatches = 32
+    config.sft.demo_epsilon = 0.2
+    config.optim.learning_rate = 1e-4
+    config.reward.milestone = 0.5
     config.rollout.turn_tokens = 8
     config.pool.backend = "process"
     config.pool.workers = 2
-    config.pool.timeout_s = 60.0  # a game's first reset generates and compiles it
+    config.pool.timeout_s = 60.0  # a game missing from the cache is generated on its first reset
   elif variant == "smoke":
     config.num_updates = 2
     config.rollout.num_tasks = 4

@@ -1,6 +1,7 @@
 r"""Generates (once) the TextWorld games a training config will use, in parallel, into the cache.
 
     python experiments/prepare_textworld.py --config=configs/textworld.py [--workers=2]
+    python experiments/prepare_textworld.py --config=configs/horizon_sweep.py:textworld
 
 A TextWorld game is generated and compiled on its first reset (1-3 s of CPU each, cached under
 `$LONGHORIZON_DATA/textworld/`, see `longhorizon.envs.textworld_games`); a config with thousands of
@@ -19,6 +20,7 @@ from ml_collections import config_flags
 
 from longhorizon import envs
 from longhorizon.envs import textworld_games
+from longhorizon.studies import horizon
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A training config on env textworld.",
                                           lock_config=True)
@@ -30,7 +32,19 @@ def _build(task: dict) -> str:
 
 
 def task_lists(config) -> dict[str, list[dict]]:
-  """split -> the tasks the run will use (the learner's own lists: `env.tasks(split, n, seed)`)."""
+  """split -> the tasks the run will use (the learner's own lists: `env.tasks(split, n, seed)`).
+  A horizon-sweep config (`sweep.textworld` quest lengths) gives the tasks of every TextWorld cell."""
+  if "sweep" in config and config.sweep.get("textworld"):
+    lists = {}
+    for length in config.sweep.textworld:
+      cell = horizon.cell_config(config, "textworld", int(length), config.sweep.algorithms[0], 0)
+      for split, tasks in _run_task_lists(cell).items():
+        lists.setdefault(split, []).extend(tasks)
+    return lists
+  return _run_task_lists(config)
+
+
+def _run_task_lists(config) -> dict[str, list[dict]]:
   if config.env.name != "textworld":
     raise app.UsageError(f"--config: env.name is {config.env.name!r}; this prepares textworld games.")
   env = envs.make("textworld", **dict(config.env.params))

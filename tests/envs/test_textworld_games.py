@@ -238,3 +238,22 @@ def test_prepare_script_generates_the_configs_games_and_resumes(data_dir):
   assert "14 games (train 8, test 4, ood 2); 14 to generate" in first.stdout
   second = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
   assert second.returncode == 0 and "; 0 to generate" in second.stdout, second.stdout
+
+
+def test_prepare_script_lists_every_textworld_cell_of_the_horizon_sweep():
+  import importlib.util
+  import pathlib
+  from longhorizon.studies import horizon, sweeps
+  root = pathlib.Path(__file__).parents[2]
+  spec = importlib.util.spec_from_file_location("prepare_textworld",
+                                                root / "experiments" / "prepare_textworld.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = sweeps.config_module(str(root / "configs" / "horizon_sweep.py")).get_config("textworld")
+  lists = module.task_lists(config)
+  assert sorted({t["quest_length"] for t in lists["train"]}) == [2, 4, 8]
+  assert len(lists["train"]) == 3 * config.tasks.train_size
+  assert len(lists["test"]) == 3 * config.tasks.test_size
+  cell = horizon.cell_config(config, "textworld", 8, "gigpo", 0)  # a cell's own list is included
+  env = make("textworld", **dict(cell.env.params))
+  assert env.tasks("test", 32, cell.tasks.seed)[0] in lists["test"]
