@@ -6,7 +6,7 @@
 Needs the `[textworld]` extra (`pip install -e .[textworld]`). The policy is the small default
 decoder (2 layers, d=128) over a word-level tokenizer built from the games' vocabulary. Games are
 generated offline by TextWorld's own generator and cached under `$LONGHORIZON_DATA/textworld/`
-(coin games about 1 s of CPU each: the 2096 games of this config take about 20 minutes on two
+(coin games about 1 s of CPU each: the 2096 games of this config took 24.5 minutes on two
 processes with the prepare script, resumable; a game missing from the cache is generated on its
 first reset). Coin-collector quests of length 4 (three moves and `take coin`; the objective
 describes the route in varied words, e.g. "take a trip east ... venture north"), train / test

@@ -3,7 +3,7 @@ r"""Generates (once) the TextWorld games a training config will use, in parallel
     python experiments/prepare_textworld.py --config=configs/textworld.py [--workers=2]
     python experiments/prepare_textworld.py --config=configs/horizon_sweep.py:textworld
 
-A TextWorld game is generated and compiled on its first reset (1-3 s of CPU each, cached under
+A TextWorld game is generated and compiled on its first reset (about 1 s of CPU for a coin game of quest length 4, cached under
 `$LONGHORIZON_DATA/textworld/`, see `longhorizon.envs.textworld_games`); a config with thousands of
 training games would spend its first hour doing that inside the run. This lists the tasks of every
 split the config uses (`tasks.train_size`, `tasks.test_size`, `tasks.ood_size`, `tasks.seed`) and

@@ -161,12 +161,11 @@ def test_learn_compiles_once_per_length_bucket(warm):
   s, state = warm
   s = dataclasses.replace(s)  # a fresh jit cache
   lengths, timer = [], Timer()
-  with jax.log_compiles(False):
-    for update in range(3):
-      batch, stats = s.collect_batch(state.params, update, 1000 + 8 * update, timer)
-      lengths.append(s.trimmed(batch).context_length)
-      state, metrics = s.learn(jax.tree.map(jnp.array, state), batch, stats, timer)
-      assert metrics["update_length"] == lengths[-1]
+  for update in range(3):
+    batch, stats = s.collect_batch(state.params, update, 1000 + 8 * update, timer)
+    lengths.append(s.trimmed(batch).context_length)
+    state, metrics = s.learn(jax.tree.map(jnp.array, state), batch, stats, timer)
+    assert metrics["update_length"] == lengths[-1]
   assert len(s._jitted) == 1
   update = next(iter(s._jitted.values()))
   assert update._cache_size() == len(set(lengths))  # one compilation per bucket used

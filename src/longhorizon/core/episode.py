@@ -219,9 +219,10 @@ def trim(batch: EpisodeBatch, length: int) -> EpisodeBatch:
   quantity of the kept positions is unchanged (causal attention: a token never sees the ones after
   it). Raises ValueError if the cut would drop an attended token.
   """
-  if length < used_length(batch):
-    raise ValueError(f"trim: length {length} would cut attended tokens (the batch uses "
-                     f"{used_length(batch)} positions).")
+  used = used_length(batch)
+  if length < used:
+    raise ValueError(f"trim: length {length} would cut attended tokens (the batch uses {used} "
+                     f"positions).")
   if length >= np.shape(batch.tokens)[1]:
     return batch
   return batch.replace(**{name: getattr(batch, name)[:, :length]
