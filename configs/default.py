@@ -61,6 +61,14 @@ def get_config(arg=None):
   config.model.family = "llama"  # a fresh decoder's family (models.registered_families())
   # Decode-step attention: auto (the C++ CPU kernel where it applies and builds, else XLA) | xla | cpu
   config.model.decode_kernel = "auto"
+  # LoRA adapters (models/lora.py): rank 0 = off (full fine-tuning). Only the adapters train; the
+  # KL reference is the base model (adapters off); the sampler decodes with merged kernels.
+  config.model.lora = ml_collections.ConfigDict()
+  config.model.lora.rank = 0
+  config.model.lora.alpha = 16.0
+  config.model.lora.targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                               "down_proj")
+  config.model.lora.dropout = 0.0
 
   # Rollouts: every field and its default in `longhorizon.train.options.RolloutOptions` (sync or
   # async; tasks per update, rollouts per task, context and turn budgets, sampling, staleness).

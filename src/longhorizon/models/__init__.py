@@ -16,18 +16,24 @@ The module-level functions and constructors below (`Transformer`, `Critic`, `Pol
 `unembedding`) dispatch through the lookup. The types (`KVCache`, `DecodeParams`, `DecoderOutput`,
 `ValueHead`) are the llama family's.
 
+LoRA: `ModelConfig.lora_rank > 0` puts adapters on the `lora_targets` projections; `lora.py` splits
+trainable from frozen leaves, merges, and saves / loads the adapters in HF peft's layout.
+
 `ModelConfig.decode_kernel` ("auto" | "xla" | "cpu") chooses the decode-step attention (the C++ CPU
 kernel of `cpu_kernels.py`, or XLA); see `config.DECODE_KERNELS`.
 """
 
 import flax.linen as nn
 
-from longhorizon.models.config import DECODE_KERNELS, ModelConfig, RopeScaling, tiny_config
+from longhorizon.models import lora
+from longhorizon.models.config import (DECODE_KERNELS, LORA_TARGETS, ModelConfig, RopeScaling,
+                                       tiny_config)
 from longhorizon.models.families import (DecodeCache, ModelFamily, family, register_family,
                                        registered_families)
 from longhorizon.models.llama import DecodeParams, DecoderOutput, KVCache, ValueHead
 
-__all__ = ["ModelConfig", "RopeScaling", "tiny_config", "DECODE_KERNELS", "ModelFamily", "DecodeCache",
+__all__ = ["ModelConfig", "RopeScaling", "tiny_config", "DECODE_KERNELS", "LORA_TARGETS", "lora",
+           "ModelFamily", "DecodeCache",
            "family", "register_family", "registered_families", "Transformer", "Critic",
            "PolicyWithValue", "ValueHead", "KVCache", "DecodeParams", "DecoderOutput", "init_cache",
            "unembedding", "init_params", "prepare_decode_params", "cached_forward", "decode_logits"]

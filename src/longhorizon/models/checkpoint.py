@@ -37,6 +37,7 @@ from safetensors.numpy import save_file
 from transformers import PreTrainedTokenizerFast
 
 from longhorizon.models import init_params
+from longhorizon.models import lora
 from longhorizon.models.config import MODEL_TYPE_FAMILY, ModelConfig
 from longhorizon.text.gguf_file import has_gguf_magic, open_gguf
 from longhorizon.text.tokenizer import tokenizer_from_gguf
@@ -310,8 +311,11 @@ def _load_hf_tokenizer(folder: pathlib.Path):
 def save(path: PathLike, config: ModelConfig, params, tokenizer=None) -> pathlib.Path:
   """Writes a HuggingFace model folder (`config.json`, float32 `model.safetensors`, tokenizer files).
 
-  `load(path)` reads it back to identical params; torch `transformers` can load it too.
+  `load(path)` reads it back to identical params; torch `transformers` can load it too. A LoRA
+  model (`config.lora_rank > 0`) is written merged (`lora.merge`): a plain model computing the same
+  function; `lora.save_adapters` writes the adapters alone.
   """
+  params, config = lora.merge(params, config), lora.base_config(config)
   folder = pathlib.Path(path)
   folder.mkdir(parents=True, exist_ok=True)
   hf = config.to_hf()

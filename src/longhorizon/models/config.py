@@ -13,18 +13,20 @@ from typing import Any, Mapping
 from longhorizon.models import cpu_kernels
 
 __all__ = ["ModelConfig", "RopeScaling", "tiny_config", "SUPPORTED_ARCHITECTURES", "MODEL_TYPE_FAMILY",
-           "DECODE_KERNELS"]
+           "DECODE_KERNELS", "LORA_TARGETS"]
 
 # HF `architectures` / `model_type` values this decoder implements exactly.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 
 # HF `model_type` -> the model family (`models/families.py`) that implements it.
 MODEL_TYPE_FAMILY = {
     "llama": "llama",
     "qwen2": "llama",  # Llama with q/k/v biases and untied embeddings
+    "qwen3": "llama",  # Llama with a per-head RMSNorm on queries and keys (`qk_norm`), no biases
 }
 
 # `ModelConfig.decode_kernel` choices: the attention of a one-token decode step.
@@ -34,6 +36,9 @@ MODEL_TYPE_FAMILY = {
 #   "xla":  always XLA's einsums.
 #   "cpu":  always the kernel: an error if it cannot be built; the call lowers for CPU only.
 DECODE_KERNELS = ("auto", "xla", "cpu")
+
+# The projections a LoRA adapter may sit on (`ModelConfig.lora_targets`; HF / peft module names).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +65,9 @@ class ModelConfig:
   rms_norm_eps: float = 1e-5
   tie_word_embeddings: bool = True  # unembedding = embedding table transposed
   attention_bias: bool = False  # bias on q/k/v projections (Qwen2: True)
+  qk_norm: bool = False  # RMSNorm over head_dim on each query and key head before RoPE (Qwen3)
   max_position_embeddings: int = 8192
-  model_type: str = "llama"  # "llama" or "qwen2" (HF naming on save)
+  model_type: str = "llama"  # "llama", "qwen2" or "qwen3" (HF naming on save)
   # Numerics: parameters are stored in `param_dtype`; matmuls run in `dtype`; norms, softmax, logits and
   # log-probs are always float32.
   param_dtype: str = "float32"
@@ -75,6 +81,14 @@ class ModelConfig:
   # Decode-step attention: "auto", "xla" or "cpu" (see `DECODE_KERNELS`). A field of this static jit
   # argument, so the tracing cache keys on it: switching it retraces, never reuses a stale program.
   decode_kernel: str = "auto"
+  # LoRA (`models/lora.py`): rank 0 is off. With rank r > 0 every `lora_targets` projection gains
+  # float32 adapters `lora_a [D_in, r]`, `lora_b [r, D_out]` (b starts at 0) and computes
+  # `x W + (lora_alpha / r) * dropout(x) A B`; only the adapters train. Dropout (rate `lora_dropout`)
+  # applies only where a "dropout" rng is given (the training losses), never when sampling or scoring.
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_targets: tuple = LORA_TARGETS
+  lora_dropout: float = 0.0
 
   def __post_init__(self):
     if self.num_attention_heads % self.num_key_value_heads:
@@ -91,7 +105,11 @@ class ModelConfig:
     if not isinstance(self.family, str) or not self.family:
       raise ValueError(f"family must be a registered model family name (e.g. 'llama'), got "
                        f"{self.family!r}.")
+    if self.qk_norm != (self.model_type == "qwen3"):
+      raise ValueError(f"qk_norm={self.qk_norm} with model_type={self.model_type!r}: the per-head "
+                       f"query/key norm is Qwen3's, on exactly when model_type='qwen3'.")
     self._check_decode_kernel()
+    self._check_lora()
     if self.head_dim is None:
       object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
     if isinstance(self.rope_scaling, Mapping):
@@ -106,6 +124,23 @@ class ModelConfig:
           f"decode_kernel='cpu' needs dtype='float32' and at most {cpu_kernels.MAX_GROUP} query heads "
           f"per kv head; got dtype={self.dtype!r} and {group} query heads per kv head. Use "
           f"decode_kernel='auto' (the kernel where it applies, else XLA) or 'xla'.")
+
+  def _check_lora(self):
+    object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+    if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+      raise ValueError(f"lora_rank must be an int >= 0 (0: no adapters), got {self.lora_rank!r}.")
+    unknown = sorted(set(self.lora_targets) - set(LORA_TARGETS))
+    if unknown or (self.lora_rank and not self.lora_targets):
+      raise ValueError(f"lora_targets={self.lora_targets!r}: each must be one of {LORA_TARGETS} "
+                       f"(and at least one when lora_rank > 0); unknown: {unknown}.")
+    if not 0.0 <= self.lora_dropout < 1.0 or self.lora_alpha <= 0:
+      raise ValueError(f"lora_dropout must be in [0, 1) and lora_alpha > 0; got "
+                       f"{self.lora_dropout!r} and {self.lora_alpha!r}.")
+
+  @property
+  def lora_scale(self) -> float:
+    """`lora_alpha / lora_rank` (peft's scaling without rsLoRA); 0 when LoRA is off."""
+    return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
 
   @property
   def dims_per_head(self) -> int:
@@ -151,9 +186,10 @@ class ModelConfig:
         head_dim=hf.get("head_dim"),
         rope_theta=float(rope_theta),
         rope_scaling=rope_scaling,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6 if model_type == "qwen2" else 1e-5)),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5 if model_type == "llama" else 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", model_type == "llama")),
         attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+        qk_norm=model_type == "qwen3",
         max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
         model_type=model_type,
         family=MODEL_TYPE_FAMILY[model_type],
@@ -179,8 +215,9 @@ class ModelConfig:
         "hidden_act": "silu",
         "torch_dtype": self.param_dtype,
     }
-    if self.model_type == "llama":
+    if self.model_type in ("llama", "qwen3"):
       out["attention_bias"] = self.attention_bias
+    if self.model_type == "llama":
       out["mlp_bias"] = False
     if self.rope_scaling is not None:
       out["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}

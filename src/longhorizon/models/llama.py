@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from longhorizon.models import cpu_kernels
+from longhorizon.models import lora
 from longhorizon.models.config import ModelConfig
 
 __all__ = ["KVCache", "DecodeParams", "DecoderOutput", "Transformer", "ValueHead", "Critic",
@@ -67,7 +68,8 @@ class DecodeParams:
   embed: jax.Array  # [V, D]
   norm: dict  # {"scale": [D]}
   lm_head: jax.Array | None  # [D, V] when embeddings are untied
-  layers: tuple  # L dicts: input_norm [D], qkv [D, (H+2KV)hd], qkv_bias (or None), o [H hd, D],
+  layers: tuple  # L dicts: input_norm [D], qk_norm [H+KV, hd] (Qwen3, else None), qkv [D, (H+2KV)hd],
+  #               qkv_bias (or None), o [H hd, D],
   #               post_norm [D], gate_up [D, 2F], down [F, D]
 
 
@@ -95,6 +97,7 @@ def prepare_decode_params(params, config: ModelConfig) -> DecodeParams:
   which are then re-laid out inside the compiled function on every call."""
   if isinstance(params, DecodeParams):
     return params
+  params = lora.merge(params, config)  # adapters folded into the kernels (a no-op without them)
   dtype = jnp.dtype(config.dtype)
   cast = lambda a: jnp.asarray(a).astype(dtype)
   attn, mlp = params["layers"]["self_attn"], params["layers"]["mlp"]
@@ -102,8 +105,15 @@ def prepare_decode_params(params, config: ModelConfig) -> DecodeParams:
   qkv_bias = (jnp.concatenate([attn[n]["bias"] for n in ("q_proj", "k_proj", "v_proj")], axis=-1)
               if config.attention_bias else None)
   gate_up = jnp.concatenate([mlp["gate_proj"]["kernel"], mlp["up_proj"]["kernel"]], axis=-1)
+  qk_norm = None
+  if config.qk_norm:  # one [H + KV, hd] scale: q heads then k heads, as the fused q|k columns
+    h, kv = config.num_attention_heads, config.num_key_value_heads
+    qk_norm = jnp.concatenate(
+        [jnp.repeat(jnp.asarray(attn["q_norm"]["scale"])[:, None], h, axis=1),
+         jnp.repeat(jnp.asarray(attn["k_norm"]["scale"])[:, None], kv, axis=1)], axis=1)
   layers = tuple(
       {"input_norm": jnp.asarray(params["layers"]["input_layernorm"]["scale"][l]),
+       "qk_norm": None if qk_norm is None else qk_norm[l],
        "qkv": cast(qkv[l]),
        "qkv_bias": None if qkv_bias is None else cast(qkv_bias[l]),
        "o": cast(attn["o_proj"]["kernel"][l]),
@@ -156,11 +166,49 @@ def _apply_rope(x, rope):
 
 
 def _dense(features, names, config, *, use_bias=False, name=None):
+  if config.lora_rank and name in config.lora_targets:
+    return LoraDense(features, names, config, use_bias=use_bias, name=name)
   return nn.Dense(
       features, use_bias=use_bias, dtype=jnp.dtype(config.dtype),
       param_dtype=jnp.dtype(config.param_dtype),
       kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), names),
       bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), names[1:]), name=name)
+
+
+class LoraDense(nn.Module):
+  """A projection with a LoRA adapter: `x W (+ b) + (alpha / r) * dropout(x) A B`.
+
+  `kernel` / `bias` are named and initialised as `nn.Dense`'s (so checkpoints map unchanged);
+  `lora_a [D_in, r]` starts like peft's (uniform, bound `1/sqrt(D_in)`), `lora_b [r, D_out]` at 0,
+  so a fresh adapter leaves the model unchanged. Adapters are float32 (their own master weights)
+  and multiply in the compute dtype. Dropout needs a "dropout" rng (training losses only)."""
+  features: int
+  names: tuple
+  config: ModelConfig
+  use_bias: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    cfg = self.config
+    dtype, r = jnp.dtype(cfg.dtype), cfg.lora_rank
+    part = nn.with_logical_partitioning
+    kernel = self.param("kernel", part(nn.initializers.normal(0.02), self.names),
+                        (x.shape[-1], self.features), jnp.dtype(cfg.param_dtype))
+    y = jnp.einsum("...d,df->...f", x.astype(dtype), kernel.astype(dtype))
+    if self.use_bias:
+      bias = self.param("bias", part(nn.initializers.zeros_init(), self.names[1:]),
+                        (self.features,), jnp.dtype(cfg.param_dtype))
+      y = y + bias.astype(dtype)
+    a = self.param("lora_a", part(nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform"),
+                                  (self.names[0], "lora")), (x.shape[-1], r), _F32)
+    b = self.param("lora_b", part(nn.initializers.zeros_init(), ("lora", self.names[1])),
+                   (r, self.features), _F32)
+    h = x
+    if cfg.lora_dropout and self.has_rng("dropout"):
+      h = nn.Dropout(cfg.lora_dropout, deterministic=False)(h)
+    delta = jnp.einsum("...d,dr->...r", h.astype(dtype), a.astype(dtype))
+    delta = jnp.einsum("...r,rf->...f", delta, b.astype(dtype))
+    return y + (cfg.lora_scale * delta).astype(y.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -193,8 +241,11 @@ class Attention(nn.Module):
     q = _dense(h * hd, ("embed", "heads"), cfg, use_bias=cfg.attention_bias, name="q_proj")(x)
     k = _dense(kv * hd, ("embed", "kv_heads"), cfg, use_bias=cfg.attention_bias, name="k_proj")(x)
     v = _dense(kv * hd, ("embed", "kv_heads"), cfg, use_bias=cfg.attention_bias, name="v_proj")(x)
-    q = _apply_rope(q.reshape(b, t, h, hd), rope)
-    k = _apply_rope(k.reshape(b, t, kv, hd), rope)
+    q, k = q.reshape(b, t, h, hd), k.reshape(b, t, kv, hd)
+    if cfg.qk_norm:  # Qwen3: RMSNorm over each head's dimensions, before RoPE
+      q = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype, name="q_norm")(q)
+      k = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype, name="k_norm")(k)
+    q, k = _apply_rope(q, rope), _apply_rope(k, rope)
     keys, values = k.transpose(0, 2, 1, 3), v.reshape(b, t, kv, hd).transpose(0, 2, 1, 3)
     q = q.reshape(b, t, kv, h // kv, hd)
     scores = jnp.einsum("btkgd,bksd->bkgts", q, keys, preferred_element_type=_F32) / math.sqrt(hd)
@@ -275,7 +326,7 @@ class Transformer(nn.Module):
     if cfg.remat != "none":
       block = nn.remat(Block, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
     self.layers = nn.scan(
-        block, variable_axes={"params": 0}, split_rngs={"params": True},
+        block, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
         in_axes=(0, nn.broadcast, nn.broadcast), length=cfg.num_hidden_layers,
         metadata_params={nn.PARTITION_NAME: "layers"})(cfg)
     self.norm = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype)
@@ -372,7 +423,12 @@ def _cached_block(w, config: ModelConfig, x, layer_k, layer_v, rope, mask, slots
   qkv = jnp.dot(y, w["qkv"])
   if w["qkv_bias"] is not None:
     qkv = qkv + w["qkv_bias"][None, None, :]
-  qk = _apply_rope(qkv[..., :(h + kv) * hd].reshape(b, t, h + kv, hd), rope)  # one pass for q and k
+  qk = qkv[..., :(h + kv) * hd].reshape(b, t, h + kv, hd)
+  if w["qk_norm"] is not None:  # Qwen3's per-head norm (`Attention`): scale [H + KV, hd]
+    qk32 = qk.astype(_F32)
+    qk32 = qk32 * jax.lax.rsqrt(jnp.mean(qk32 * qk32, axis=-1, keepdims=True) + config.rms_norm_eps)
+    qk = (qk32 * w["qk_norm"].astype(_F32)[None, None]).astype(qk.dtype)
+  qk = _apply_rope(qk, rope)  # one pass for q and k
   q, k = qk[:, :, :h], qk[:, :, h:]
   v = qkv[..., (h + kv) * hd:].reshape(b, t, kv, hd)
   rows = jnp.arange(b)[:, None]

@@ -46,6 +46,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("norm", None),
     ("layers", None),
     ("value", None),
+    ("lora", None),  # the rank axis of LoRA adapters (replicated; their other axis follows the kernel)
 )
 
 

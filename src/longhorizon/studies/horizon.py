@@ -180,7 +180,7 @@ def _train(learner: Learner, params, cell: Cell, label: str) -> tuple[Any, list[
   tokens)`. RL tasks start after the warm start's SFT tasks."""
   c = learner.config
   params = jax.tree.map(jnp.copy, params)
-  state = learner.initial_state().replace(params=params, opt_state=learner.optimizer.init(params))
+  state = learner.initial_state().replace(params=params, opt_state=learner.init_opt_state(params))
   curves, episodes, tokens = [], 0, 0
   data_position, timer = c.sft.episodes, Timer()
   batch_size = c.rollout.num_tasks * c.rollout.group_size

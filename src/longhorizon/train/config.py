@@ -18,7 +18,7 @@ from longhorizon import envs
 from longhorizon.envs.base import SPLITS
 from longhorizon.envs.codec import STYLES
 from longhorizon.envs.wrappers import FAULT_KINDS
-from longhorizon.models import DECODE_KERNELS, registered_families
+from longhorizon.models import DECODE_KERNELS, LORA_TARGETS, registered_families
 from longhorizon.train.algorithms import ALGORITHMS, AlgorithmOptions
 from longhorizon.train.options import (COUNT as _COUNT, NON_NEGATIVE as _NON_NEGATIVE,
                                        NON_NEGATIVE_INT as _NON_NEGATIVE_INT,
@@ -54,6 +54,10 @@ RANGES: dict[str, Range] = {
     "model.hidden_size": _COUNT, "model.num_hidden_layers": _COUNT,
     "model.num_attention_heads": _COUNT, "model.num_key_value_heads": _COUNT,
     "model.intermediate_size": _COUNT,
+    "model.lora.rank": Range(int, 0, note="0 = no adapters (full fine-tuning)"),
+    "model.lora.alpha": _POSITIVE,
+    "model.lora.dropout": Range(float, 0, 1, high_open=True,
+                                note="adapter dropout in the training losses only"),
     "reward.success": _NON_NEGATIVE, "reward.milestone": _NON_NEGATIVE,
     "reward.cost": Range(float, 0, note="a weight: the step cost times it is subtracted"),
     "reward.invalid": Range(float, 0, note="a penalty: subtracted per malformed action"),
@@ -160,6 +164,10 @@ def _check_model(m):
   if m.num_attention_heads % m.num_key_value_heads:
     _fail("model.num_key_value_heads", m.num_key_value_heads,
           f"a divisor of model.num_attention_heads={m.num_attention_heads}")
+  targets = m.lora.targets
+  if (not isinstance(targets, (list, tuple)) or not set(targets) <= set(LORA_TARGETS)
+      or (m.lora.rank and not targets)):
+    _fail("model.lora.targets", targets, f"a non-empty list of projections from {list(LORA_TARGETS)}")
 
 
 def _check_rules(config):

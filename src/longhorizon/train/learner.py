@@ -41,7 +41,8 @@ from longhorizon import rollout
 from longhorizon.core import episode as episode_lib
 from longhorizon.core.episode import Termination, to_device
 from longhorizon.envs import tasks as task_suites
-from longhorizon.models import Critic, ModelConfig, Transformer, init_params, sharding, tiny_config
+from longhorizon.models import (Critic, ModelConfig, Transformer, init_params, lora, sharding,
+                                tiny_config)
 from longhorizon.models import checkpoint as checkpoint_lib
 from longhorizon.train import config as config_lib
 from longhorizon.train.algorithms import AlgorithmOptions, compute_advantages
@@ -127,9 +128,15 @@ def _policy(config, env) -> tuple[ModelConfig, Any, Any]:
   """`(model config, parameters, codec)`: a checkpoint's, or a fresh tiny decoder over the codec's
   own tokenizer."""
   m = config.model
-  if m.checkpoint:  # its own family and shapes; the decode kernel is the config's
+  lora_fields = {}
+  if "lora" in m and m.lora.rank:
+    lora_fields = dict(lora_rank=m.lora.rank, lora_alpha=m.lora.alpha,
+                       lora_targets=tuple(m.lora.targets), lora_dropout=m.lora.dropout)
+  if m.checkpoint:  # its own family and shapes; the decode kernel (and adapters) are the config's
     model_config, params, tokenizer = checkpoint_lib.load(m.checkpoint)
-    model_config = dataclasses.replace(model_config, decode_kernel=m.decode_kernel)
+    model_config = dataclasses.replace(model_config, decode_kernel=m.decode_kernel,
+                                       dtype=m.get("dtype", "float32"), **lora_fields)
+    params = lora.add_adapters(params, model_config, key(config.seed, 1))
     return model_config, params, env.codec(tokenizer, config.env.style)
   codec = env.codec(None, config.env.style)
   model_config = dataclasses.replace(
@@ -137,7 +144,7 @@ def _policy(config, env) -> tuple[ModelConfig, Any, Any]:
       num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
       num_key_value_heads=m.num_key_value_heads, intermediate_size=m.intermediate_size,
       head_dim=m.hidden_size // m.num_attention_heads, dtype=m.dtype, family=m.family,
-      decode_kernel=m.decode_kernel)
+      decode_kernel=m.decode_kernel, **lora_fields)
   return model_config, init_params(model_config, key(config.seed, 1)), codec
 
 
@@ -261,16 +268,35 @@ class Learner:
           key(self.config.seed, 2), jnp.zeros((1, 1), jnp.int32))["params"]
       critic_params = nn.meta.unbox(critic_params)
       critic_opt = self.critic_optimizer.init(critic_params)
-    return TrainState(params=self.init_params, opt_state=self.optimizer.init(self.init_params),
+    return TrainState(params=self.init_params, opt_state=self.init_opt_state(self.init_params),
                       critic_params=critic_params, critic_opt_state=critic_opt,
                       step=jnp.zeros((), jnp.int32), policy_version=jnp.zeros((), jnp.int32),
                       rng=key(self.config.seed, 3), skipped=jnp.zeros((), jnp.int32))
 
+  def init_opt_state(self, params, optimizer=None):
+    """`optimizer`'s (default: the RL optimiser's) state for `params`' trainable part: every
+    parameter, or with LoRA the adapters alone (`lora.partition`)."""
+    return (optimizer or self.optimizer).init(lora.partition(params, self.model_config)[0])
+
   def with_reference(self, state: TrainState) -> TrainState:
-    """Freezes a copy of the current (warm-start) policy as the KL reference when the KL is on."""
-    if self.loss.kl_coef > 0:
+    """Freezes a copy of the current (warm-start) policy as the KL reference when the KL is on.
+    With LoRA nothing is copied: the reference is the base model, the adapters switched off
+    (`reference_logprobs`)."""
+    if self.loss.kl_coef > 0 and not self.model_config.lora_rank:
       return state.replace(ref_params=jax.tree.map(jnp.copy, state.params))
     return state
+
+  def reference_logprobs(self, state: TrainState, db):
+    """The KL reference's `[B, L]` log-probs of `db`: the frozen copy in `state.ref_params`, or
+    with LoRA the base model (`lora.base_params` under `lora.base_config`: the same frozen arrays,
+    no adapters); None when the KL is off (and no reference was frozen)."""
+    if state.ref_params is not None:
+      return self.logprobs(state.ref_params, db)
+    if self.model_config.lora_rank and self.loss.kl_coef > 0:
+      return _logprobs(lora.base_params(state.params), db,
+                       config=lora.base_config(self.model_config),
+                       temperature=self.rollout.temperature, chunk_size=self.loss.chunk_size)
+    return None
 
   # ---------------------------------------------------------------------------------- episodes
   def tasks_at(self, start: int, count: int):
@@ -353,7 +379,7 @@ class Learner:
     row_weight = adv.row_weight
     if row_scale is not None:
       row_weight = row_weight * jnp.asarray(row_scale, row_weight.dtype)
-    ref_logp = None if state.ref_params is None else self.logprobs(state.ref_params, db)
+    ref_logp = self.reference_logprobs(state, db)
     return LearnInputs(adv.advantages, adv.returns, row_weight, old_logp, ref_logp, values)
 
   def update(self, state: TrainState, db, inputs: LearnInputs):
@@ -399,7 +425,7 @@ class Learner:
                       "small?)", float(batch.success.mean()))
     batch = to_device(self.trimmed(batch))
     sft_opt = make_optimizer(c.sft.learning_rate, max_grad_norm=self.optim.max_grad_norm)
-    sft_state = state.replace(opt_state=sft_opt.init(state.params))
+    sft_state = state.replace(opt_state=self.init_opt_state(state.params, sft_opt))
     metrics, start, every = {}, time.perf_counter(), max(1, c.sft.steps // 5)
     for step in range(1, c.sft.steps + 1):
       sft_state, metrics = sft_update(sft_state, batch, config=self.model_config,
@@ -413,7 +439,7 @@ class Learner:
                      time.perf_counter() - start)
     metrics = {k: float(v) for k, v in metrics.items()}
     # `sft_update` donated `sft_state` (and the buffers it shared with `state`): continue from it.
-    return sft_state.replace(opt_state=self.optimizer.init(sft_state.params)), metrics
+    return sft_state.replace(opt_state=self.init_opt_state(sft_state.params)), metrics
 
   def evaluate(self, params, split: str, num_tasks: int, *, temperature: float, seed: int,
                group_size: int = 1) -> dict:

@@ -194,7 +194,7 @@ def start_from(s: Learner, state: TrainState, source: str) -> tuple[TrainState, 
                        f"{leaf.shape}.")
   params = jax.tree.map(lambda t, x: jax.device_put(jnp.asarray(x, t.dtype), t.sharding),
                         state.params, params)
-  state = s.with_reference(state.replace(params=params, opt_state=s.optimizer.init(params)))
+  state = s.with_reference(state.replace(params=params, opt_state=s.init_opt_state(params)))
   origin = {"workdir": src, "step": step, "update": src_meta.get("update"),
             "algorithm": saved.get("algorithm", {}).get("name")}
   logging.info("New run from %s (checkpoint step %d, %s): evaluating the starting policy.", src,

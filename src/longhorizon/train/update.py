@@ -6,6 +6,10 @@ order drawn from the state's rng); `jit_rl_update(...)` jits it with its static 
 `in_shardings` / `out_shardings`; the state is donated. A step whose loss or gradient is not finite
 is skipped (parameters and optimiser state unchanged) and counted in `skipped_updates`.
 
+With LoRA (`ModelConfig.lora_rank > 0`) only the adapters are differentiated and optimised
+(`lora.partition`): the optimiser state covers them alone, the frozen weights get no gradient, and
+with `lora_dropout > 0` the training losses (not the scoring passes) draw adapter dropout.
+
 Loss (per minibatch):
 
     POLICY_LOSSES[loss.name](logp, old_logp, A, mask, is_weights)    (train/policy_losses.py)
@@ -34,7 +38,7 @@ import optax
 from longhorizon.core import logprobs as lp
 from longhorizon.core import losses
 from longhorizon.core.episode import EpisodeBatch
-from longhorizon.models import Critic, ModelConfig, Transformer, unembedding
+from longhorizon.models import Critic, ModelConfig, Transformer, lora, unembedding
 from longhorizon.train.policy_losses import LossOptions
 
 __all__ = ["TrainState", "LearnInputs", "make_optimizer", "episode_logprobs", "rl_update",
@@ -75,14 +79,16 @@ def make_optimizer(learning_rate: float, *, warmup_steps: int = 0, total_steps: 
 
 
 def episode_logprobs(params, config: ModelConfig, batch, *, temperature=1.0, chunk_size=4096,
-                     return_entropy=False):
+                     return_entropy=False, dropout_rng=None):
   """`[B, L]` log-probs of each token given its prefix (0 at position 0), optionally entropies.
 
-  Token `t` is scored from the hidden state at `t - 1`; rows are right-padded (`attention_mask`)."""
+  Token `t` is scored from the hidden state at `t - 1`; rows are right-padded (`attention_mask`).
+  `dropout_rng` turns on LoRA adapter dropout (`ModelConfig.lora_dropout`; training losses only)."""
   tokens = jnp.asarray(batch.tokens)
   lengths = jnp.asarray(batch.attention_mask).sum(-1).astype(jnp.int32)
+  rngs = {"dropout": dropout_rng} if dropout_rng is not None and config.lora_dropout else None
   out = Transformer(config).apply({"params": params}, tokens, jnp.asarray(batch.positions),
-                                  lengths, compute_logits=False)
+                                  lengths, compute_logits=False, rngs=rngs)
   res = lp.token_logprobs_from_hidden(out.hidden[:, :-1], unembedding(params, config),
                                       tokens[:, 1:], chunk_size=min(chunk_size, config.vocab_size),
                                       temperature=temperature, return_entropy=return_entropy,
@@ -146,9 +152,11 @@ def _prepare(batch: EpisodeBatch, x: LearnInputs, loss: LossOptions) -> dict:
               ref_logp=ref_logp, returns=x.returns, old_values=x.old_values, is_weights=is_weights)
 
 
-def _policy_loss(params, mb, *, config: ModelConfig, loss: LossOptions, temperature: float):
-  logp, ent = episode_logprobs(params, config, mb["batch"], temperature=temperature,
-                               chunk_size=loss.chunk_size, return_entropy=True)
+def _policy_loss(trainable, frozen, mb, *, config: ModelConfig, loss: LossOptions,
+                 temperature: float):
+  logp, ent = episode_logprobs(lora.combine(trainable, frozen), config, mb["batch"],
+                               temperature=temperature, chunk_size=loss.chunk_size,
+                               return_entropy=True, dropout_rng=mb["dropout_rng"])
   value, metrics = loss.spec.fn(logp, mb["old_logp"], mb["adv"], mb["mask"], mb["is_weights"], loss)
   metrics = dict(metrics, policy_loss=value, entropy=losses.masked_mean(ent, mb["mask"]))
   if loss.entropy_coef:
@@ -174,13 +182,15 @@ def _minibatch_step(state: TrainState, mb, *, config, optimizer, critic_optimize
                     temperature):
   """One optimiser step (policy, and critic if any) on minibatch `mb`; skipped if not finite."""
   policy = functools.partial(_policy_loss, config=config, loss=loss, temperature=temperature)
-  (value, metrics), grads = jax.value_and_grad(policy, has_aux=True)(state.params, mb)
+  trainable, frozen = lora.partition(state.params, config)
+  (value, metrics), grads = jax.value_and_grad(policy, has_aux=True)(trainable, frozen, mb)
   # Non-finite inputs on the mask (the log-ratio clamp would hide an infinite old log-prob) or a
   # non-finite loss/gradient: skip the step.
   on = mb["mask"] > 0
   ok = (jnp.isfinite(value) & _finite(grads)
         & _finite([jnp.where(on, mb["adv"], 0.0), jnp.where(on, mb["old_logp"], 0.0)]))
-  params, opt_state = _apply(optimizer, state.params, state.opt_state, grads, ok)
+  trainable, opt_state = _apply(optimizer, trainable, state.opt_state, grads, ok)
+  params = lora.combine(trainable, frozen)
   metrics = dict(metrics, loss=value, grad_norm=_norm(grads))
   critic_params, critic_opt = state.critic_params, state.critic_opt_state
   if critic_optimizer is not None:
@@ -214,7 +224,10 @@ def rl_update(state: TrainState, batch: EpisodeBatch, inputs: LearnInputs, *, co
   rng, perm_key = jax.random.split(state.rng)
   keys = jax.random.split(perm_key, epochs)
   order = jnp.concatenate([jax.random.permutation(k, b) for k in keys]).reshape(-1, b // minibatches)
-  state, metrics = jax.lax.scan(lambda st, rows: step(st, _slice_rows(data, rows)), state, order)
+  drop_keys = _dropout_keys(perm_key, order.shape[0], config)
+  state, metrics = jax.lax.scan(
+      lambda st, xs: step(st, dict(_slice_rows(data, xs[0]), dropout_rng=xs[1])), state,
+      (order, drop_keys))
   metrics = jax.tree.map(jnp.mean, metrics)
   metrics["skipped_updates"] = state.skipped
   if data["is_weights"] is not None:
@@ -224,6 +237,14 @@ def rl_update(state: TrainState, batch: EpisodeBatch, inputs: LearnInputs, *, co
         jnp.exp(jnp.clip(old_logp - batch.behavior_logprobs, -20.0, 20.0)) > loss.tis_threshold,
         mask)
   return state.replace(rng=rng, policy_version=state.policy_version + 1), metrics
+
+
+def _dropout_keys(key, steps: int, config: ModelConfig):
+  """One LoRA-dropout key per optimiser step (None without adapter dropout). Folded off `key` so
+  runs without dropout keep their random streams."""
+  if not (config.lora_rank and config.lora_dropout):
+    return None
+  return jax.random.split(jax.random.fold_in(key, 0x10_5A), steps)
 
 
 def jit_rl_update(*, config: ModelConfig, optimizer, critic_optimizer, loss: LossOptions,
@@ -253,22 +274,25 @@ def sft_update(state: TrainState, batch: EpisodeBatch, *, config: ModelConfig, o
   b = batch.tokens.shape[0]
   mask = jnp.asarray(batch.loss_mask, jnp.float32)
 
-  def loss_fn(params, mb, mb_mask):
-    logp = episode_logprobs(params, config, mb)
+  def loss_fn(trainable, frozen, mb, mb_mask, dropout_rng):
+    logp = episode_logprobs(lora.combine(trainable, frozen), config, mb, dropout_rng=dropout_rng)
     nll = -losses.masked_mean(logp, mb_mask)
     return nll, {"sft_nll": nll, "sft_token_accuracy": losses.masked_mean(
         (logp > jnp.log(0.5)).astype(jnp.float32), mb_mask)}
 
-  def step(state, rows):
+  def step(state, xs):
+    rows, dropout_rng = xs
     mb, mb_mask = _slice_rows(batch, rows), mask[rows]
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, mb, mb_mask)
+    trainable, frozen = lora.partition(state.params, config)
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        trainable, frozen, mb, mb_mask, dropout_rng)
     ok = jnp.isfinite(loss) & _finite(grads)
-    params, opt_state = _apply(optimizer, state.params, state.opt_state, grads, ok)
-    state = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
-                          skipped=state.skipped + (~ok).astype(jnp.int32))
+    trainable, opt_state = _apply(optimizer, trainable, state.opt_state, grads, ok)
+    state = state.replace(params=lora.combine(trainable, frozen), opt_state=opt_state,
+                          step=state.step + 1, skipped=state.skipped + (~ok).astype(jnp.int32))
     return state, dict(metrics, loss=loss, grad_norm=_norm(grads))
 
   rng, key = jax.random.split(state.rng)
   order = jax.random.permutation(key, b).reshape(minibatches, b // minibatches)
-  state, metrics = jax.lax.scan(step, state, order)
+  state, metrics = jax.lax.scan(step, state, (order, _dropout_keys(key, minibatches, config)))
   return state.replace(rng=rng), jax.tree.map(jnp.mean, metrics)

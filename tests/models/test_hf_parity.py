@@ -1,0 +1,91 @@
+"""Model families against HF transformers' torch implementations (the torch reference extra).
+
+For each family a small randomly initialised HF model (`from_config`, no download) is saved as
+safetensors, loaded by `checkpoint.load`, and must give the torch logits within 1e-4 (float32);
+our `checkpoint.save` of it must load back into torch with the same logits; the KV-cache path
+(prefill, then one-token steps) must equal our own full forward pass."""
+
+import importlib.util
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from longhorizon.models import Transformer, cached_forward, checkpoint, init_cache
+
+pytestmark = pytest.mark.skipif(
+    not importlib.util.find_spec("torch"),
+    reason="needs the torch reference extra: pip install -e '.[torch-ref]'")
+
+_SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+# family name -> (transformers config class, extra config fields)
+_FAMILIES = {
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=True, rope_theta=10000.0)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False, rope_theta=1e6)),
+    "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=24, rope_theta=1e6)),
+}
+
+
+def _hf_model(name, seed=0):
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  config_class, extra = _FAMILIES[name]
+  config = getattr(transformers, config_class)(**_SMALL, **extra)
+  torch.manual_seed(seed)
+  model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
+  with torch.no_grad():  # norms start at 1 (or 0): randomise them so a missed norm shows
+    for pname, p in model.named_parameters():
+      if "norm" in pname:
+        p.add_(0.3 * torch.randn_like(p))
+  return model
+
+
+def _torch_logits(model, tokens):
+  import torch  # pylint: disable=g-import-not-at-top
+  with torch.no_grad():
+    return model(torch.from_numpy(np.array(tokens)).long()).logits.numpy()
+
+
+def _tokens(shape=(2, 11), seed=3):
+  return np.random.default_rng(seed).integers(0, _SMALL["vocab_size"], size=shape)
+
+
+@pytest.mark.parametrize("name", sorted(_FAMILIES))
+def test_logits_match_transformers(tmp_path, name):
+  model = _hf_model(name)
+  model.save_pretrained(str(tmp_path / "hf"), safe_serialization=True)
+  config, params, _ = checkpoint.load(tmp_path / "hf")
+  assert config.model_type == name and config.qk_norm == (name == "qwen3")
+  tokens = _tokens()
+  ours = np.asarray(Transformer(config).apply({"params": params}, jnp.asarray(tokens)).logits)
+  np.testing.assert_allclose(ours, _torch_logits(model, tokens), atol=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(_FAMILIES))
+def test_save_back_loads_in_transformers(tmp_path, name):
+  import transformers  # pylint: disable=g-import-not-at-top
+  model = _hf_model(name, seed=1)
+  model.save_pretrained(str(tmp_path / "hf"), safe_serialization=True)
+  config, params, _ = checkpoint.load(tmp_path / "hf")
+  checkpoint.save(tmp_path / "ours", config, params)
+  again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "ours")).eval()
+  tokens = _tokens(seed=4)
+  np.testing.assert_allclose(_torch_logits(again, tokens), _torch_logits(model, tokens), atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(_FAMILIES))
+def test_kv_cache_equals_the_full_forward_pass(tmp_path, name):
+  model = _hf_model(name, seed=2)
+  model.save_pretrained(str(tmp_path / "hf"), safe_serialization=True)
+  config, params, _ = checkpoint.load(tmp_path / "hf")
+  tokens = jnp.asarray(_tokens((2, 9), seed=5))
+  full = np.asarray(Transformer(config).apply({"params": params}, tokens).logits)
+  out = cached_forward(params, config, tokens[:, :6], init_cache(config, 2, 16), compute_logits=True)
+  steps, cache = [np.asarray(out.logits)], out.cache
+  for t in range(6, 9):
+    out = cached_forward(params, config, tokens[:, t:t + 1], cache, compute_logits=True)
+    steps.append(np.asarray(out.logits))
+    cache = out.cache
+  np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=1e-4)

@@ -1,0 +1,127 @@
+"""LoRA in the learner: only the adapters train (SFT and RL), the optimiser holds state for them
+alone, the KL reference is the base model with the adapters off, the update compiles once, and
+bf16 compute keeps float32 master weights and log-probs."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from longhorizon.core.episode import to_device
+from longhorizon.models import lora
+from longhorizon.train import config as config_lib
+from longhorizon.train.learner import Learner, _logprobs
+from longhorizon.train.metrics import Timer
+
+import importlib.util
+
+_spec = importlib.util.spec_from_file_location(
+    "default_config", os.path.join(os.path.dirname(__file__), "..", "..", "configs", "default.py"))
+default_config = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(default_config)
+
+
+def _learner(tmp_path, **changes):
+  config = default_config.get_config("smoke")
+  config.unlock()
+  config.tasks.data_dir = str(tmp_path / "tasks")
+  base = {"env.params": {"horizon": 1}, "env.max_steps": 3, "rollout.context_length": 96,
+          "model.lora.rank": 4, "model.lora.alpha": 8.0, "loss.kl_coef": 0.1,
+          "optim.learning_rate": 1e-2, "sft.learning_rate": 1e-2}
+  for path, value in {**base, **changes}.items():
+    config_lib.set_path(config, path, value)
+  config.lock()
+  return Learner.build(config)
+
+
+def _flat(tree):
+  return {jax.tree_util.keystr(p): np.asarray(v)
+          for p, v in jax.tree_util.tree_flatten_with_path(jax.device_get(tree))[0]}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """A LoRA learner, its initial parameters, and its state after SFT and two RL updates."""
+  s = _learner(tmp_path_factory.mktemp("lora"))
+  init = _flat(s.init_params)
+  state = s.with_reference(s.warm_start(s.initial_state())[0])
+  timer, metrics = Timer(), []
+  for update in range(2):
+    state, m = s.step(state, update, 16 + 4 * update, timer)
+    metrics.append(m)
+  return s, init, state, metrics
+
+
+def test_only_adapter_parameters_change(trained):
+  s, init, state, _ = trained
+  now = _flat(state.params)
+  assert set(now) == set(init)
+  adapters = [k for k in now if "lora_" in k]
+  assert len(adapters) == 2 * len(s.model_config.lora_targets) > 0
+  for name, value in now.items():
+    if "lora_" in name:
+      continue
+    np.testing.assert_array_equal(value, init[name], err_msg=f"frozen {name} changed")
+  b_leaves = [k for k in adapters if "lora_b" in k]
+  assert all(np.abs(now[k]).max() > 0 for k in b_leaves)  # every B left zero: all trained
+  assert all(np.abs(now[k] - init[k]).max() > 0 for k in adapters if "lora_a" in k)
+
+
+def test_optimiser_state_covers_the_adapters_alone(trained):
+  s, _, state, _ = trained
+  adapter_size = sum(int(np.size(x)) for x in jax.tree.leaves(lora.adapters(state.params)))
+  total = sum(int(np.size(x)) for x in jax.tree.leaves(state.params))
+  opt_size = sum(int(np.size(x)) for x in jax.tree.leaves(state.opt_state) if np.ndim(x) > 0)
+  assert opt_size == 2 * adapter_size  # Adam's two moments, nothing for the frozen weights
+  assert adapter_size < total / 5
+
+
+def test_kl_reference_is_the_base_model_with_adapters_off(trained):
+  s, init, state, metrics = trained
+  assert state.ref_params is None  # no copy of the weights was frozen
+  batch, _ = s.collect_batch(state.params, 5, 40, Timer())
+  db = to_device(s.trimmed(batch))
+  ref = np.asarray(s.reference_logprobs(state, db))
+  base_config = lora.base_config(s.model_config)
+  params = jax.tree_util.tree_unflatten(jax.tree.structure(jax.device_get(s.init_params)),
+                                        [jnp.asarray(v) for v in init.values()])
+  want = np.asarray(_logprobs(lora.base_params(params), db, config=base_config,
+                              temperature=s.rollout.temperature))
+  np.testing.assert_allclose(ref, want, atol=1e-6)
+  policy = np.asarray(s.logprobs(state.params, db))
+  mask = np.asarray(db.loss_mask)
+  assert np.abs((policy - ref) * mask).max() > 1e-3  # the trained adapters moved the policy
+  assert all(m["kl_ref"] > 0 for m in metrics[1:])
+
+
+def test_lora_update_is_traced_once(trained, assert_no_retrace):
+  s, _, state, _ = trained
+  state = jax.device_get(state)
+  calls = []
+  for update in range(2):
+    batch, _ = s.collect_batch(state.params, 10 + update, 60 + 4 * update, Timer())
+    db = to_device(batch)  # full length: both calls share one shape
+    calls.append(((jax.tree.map(jnp.array, state), db, s.learn_inputs(state, db)), {}))
+  assert_no_retrace(s.update_fn(*calls[0][0]), *calls)
+
+
+@pytest.mark.parametrize("rank", [0, 4])
+def test_bf16_compute_keeps_float32_master_weights_and_logprobs(tmp_path, rank):
+  """model.dtype=bfloat16: matmuls and activations in bf16, parameters (the master weights) and
+  log-probs / losses in float32, with and without adapters."""
+  s = _learner(tmp_path, **{"model.dtype": "bfloat16", "model.lora.rank": rank, "sft.steps": 2})
+  assert s.model_config.dtype == "bfloat16"
+  state = s.with_reference(s.warm_start(s.initial_state())[0])
+  state, metrics = s.step(state, 0, 16, Timer())
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))
+  assert np.isfinite(metrics["loss"]) and metrics["skipped_updates"] == 0
+  batch, _ = s.collect_batch(state.params, 1, 20, Timer())
+  db = to_device(s.trimmed(batch))
+  logp = s.logprobs(state.params, db)
+  assert logp.dtype == jnp.float32
+  f32 = _logprobs(state.params, db, config=s.model_config.replace(dtype="float32"),
+                  temperature=s.rollout.temperature)
+  mask = np.asarray(db.loss_mask) > 0
+  assert np.abs(np.asarray(logp) - np.asarray(f32))[mask].mean() < 0.05  # bf16 is close to f32
