@@ -1,7 +1,8 @@
 r"""Generates (once) the TextWorld games a training config will use, in parallel, into the cache.
 
     python experiments/prepare_textworld.py --config=configs/textworld.py [--workers=2]
-    python experiments/prepare_textworld.py --config=configs/horizon_sweep.py:textworld
+    python experiments/prepare_textworld.py --config=configs/horizon_sweep.py:textworld \
+        --splits=train --splits=test
 
 A TextWorld game is generated and compiled on its first reset (about 1 s of CPU for a coin game of quest length 4, cached under
 `$LONGHORIZON_DATA/textworld/`, see `longhorizon.envs.textworld_games`); a config with thousands of
@@ -25,6 +26,8 @@ from longhorizon.studies import horizon
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A training config on env textworld.",
                                           lock_config=True)
 _WORKERS = flags.DEFINE_integer("workers", 2, "Generator processes.", lower_bound=1)
+_SPLITS = flags.DEFINE_multi_enum("splits", ["train", "test", "ood"], ["train", "test", "ood"],
+                                  "Splits to build (the horizon sweep uses train and test only).")
 
 
 def _build(task: dict) -> str:
@@ -55,7 +58,7 @@ def _run_task_lists(config) -> dict[str, list[dict]]:
 
 def main(argv):
   del argv
-  lists = task_lists(_CONFIG.value)
+  lists = {k: v for k, v in task_lists(_CONFIG.value).items() if k in _SPLITS.value}
   tasks = [t for split in lists.values() for t in split]
   folder = textworld_games.cache_dir()
   missing = [t for t in tasks if not textworld_games.is_cached(t)]
