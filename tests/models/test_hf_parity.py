@@ -25,6 +25,10 @@ _FAMILIES = {
     "llama": ("LlamaConfig", dict(tie_word_embeddings=True, rope_theta=10000.0)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False, rope_theta=1e6)),
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=24, rope_theta=1e6)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(tie_word_embeddings=False, head_dim=16, rope_theta=1e6,
+                                         num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, norm_topk_prob=True,
+                                         router_aux_loss_coef=0.01)),
 }
 
 
@@ -57,7 +61,8 @@ def test_logits_match_transformers(tmp_path, name):
   model = _hf_model(name)
   model.save_pretrained(str(tmp_path / "hf"), safe_serialization=True)
   config, params, _ = checkpoint.load(tmp_path / "hf")
-  assert config.model_type == name and config.qk_norm == (name == "qwen3")
+  assert config.model_type == name and config.qk_norm == name.startswith("qwen3")
+  assert config.num_experts == (4 if name == "qwen3_moe" else 0)
   tokens = _tokens()
   ours = np.asarray(Transformer(config).apply({"params": params}, jnp.asarray(tokens)).logits)
   np.testing.assert_allclose(ours, _torch_logits(model, tokens), atol=1e-4)
@@ -89,3 +94,25 @@ def test_kv_cache_equals_the_full_forward_pass(tmp_path, name):
     steps.append(np.asarray(out.logits))
     cache = out.cache
   np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=1e-4)
+
+
+def test_moe_routing_and_load_balancing_loss_match_transformers(tmp_path):
+  """Qwen3-MoE: our per-token experts are transformers' router top-k, and our load-balancing loss
+  is its `aux_loss` (over the real tokens of right-padded rows)."""
+  import torch  # pylint: disable=g-import-not-at-top
+  model = _hf_model("qwen3_moe", seed=3)
+  model.save_pretrained(str(tmp_path / "hf"), safe_serialization=True)
+  config, params, _ = checkpoint.load(tmp_path / "hf")
+  tokens = _tokens((2, 10), seed=6)
+  lengths = np.array([10, 7])
+  mask = np.arange(10)[None] < lengths[:, None]
+  with torch.no_grad():
+    ref = model(torch.from_numpy(tokens).long(), attention_mask=torch.from_numpy(mask).long(),
+                output_router_logits=True)
+  ours = Transformer(config).apply({"params": params}, jnp.asarray(tokens),
+                                   lengths=jnp.asarray(lengths))
+  for layer, logits in enumerate(ref.router_logits):
+    want = torch.topk(torch.softmax(logits.float(), -1), 2, dim=-1).indices.numpy().reshape(2, 10, 2)
+    got = np.asarray(ours.routing[:, :, layer])
+    np.testing.assert_array_equal(np.sort(got, -1)[mask], np.sort(want, -1)[mask])
+  np.testing.assert_allclose(float(ours.aux_loss), float(ref.aux_loss), rtol=1e-5)

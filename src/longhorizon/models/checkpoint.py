@@ -113,6 +113,18 @@ def _keys(path) -> tuple[str, ...]:
   return tuple(k.key for k in path)
 
 
+_EXPERT_LEAVES = ("gate_proj", "up_proj", "down_proj")
+
+
+def _is_expert(keys: tuple[str, ...]) -> bool:
+  """A mixture-of-experts stack `layers/mlp/{gate,up,down}_proj` (`[L, E, in, out]`, no kernel)."""
+  return len(keys) == 3 and keys[:2] == ("layers", "mlp") and keys[2] in _EXPERT_LEAVES
+
+
+def _expert_name(keys: tuple[str, ...], layer: int, expert: int) -> str:
+  return f"model.layers.{layer}.mlp.experts.{expert}.{keys[2]}.weight"
+
+
 def _hf_name(keys: tuple[str, ...]) -> tuple[str, bool]:
   """`(HF tensor name with {i} for the layer, transpose?)` of a leaf of our tree.
 
@@ -164,8 +176,12 @@ def state_dict_to_params(tensors: Mapping[str, np.ndarray], config: ModelConfig,
 
   def leaf(path, spec):
     keys = _keys(path)
-    name, transpose = _hf_name(keys)
     shape = tuple(spec.shape)
+    if _is_expert(keys):  # per-expert HF weights [out, in] -> [L, E, in, out]
+      return np.ascontiguousarray(np.stack([
+          np.stack([fetch(_expert_name(keys, i, j), shape[2:][::-1]).T for j in range(shape[1])])
+          for i in range(shape[0])]))
+    name, transpose = _hf_name(keys)
     if keys[0] == "layers":
       layer_shape = shape[1:][::-1] if transpose else shape[1:]
       stacked = np.stack([fetch(name.format(i=i), layer_shape) for i in range(shape[0])])
@@ -197,8 +213,12 @@ def params_to_state_dict(params, config: ModelConfig) -> dict[str, np.ndarray]:
 
   def visit(path, value):
     keys = _keys(path)
-    name, transpose = _hf_name(keys)
     value = np.asarray(value, dtype=np.float32)
+    if _is_expert(keys):
+      for i, j in np.ndindex(*value.shape[:2]):
+        out[_expert_name(keys, i, j)] = np.ascontiguousarray(value[i, j].T)
+      return
+    name, transpose = _hf_name(keys)
     if keys[0] == "layers":
       for i in range(value.shape[0]):
         out[name.format(i=i)] = np.ascontiguousarray(value[i].T if transpose else value[i])

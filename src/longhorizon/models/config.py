@@ -20,6 +20,7 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 # HF `model_type` -> the model family (`models/families.py`) that implements it.
@@ -27,6 +28,7 @@ MODEL_TYPE_FAMILY = {
     "llama": "llama",
     "qwen2": "llama",  # Llama with q/k/v biases and untied embeddings
     "qwen3": "llama",  # Llama with a per-head RMSNorm on queries and keys (`qk_norm`), no biases
+    "qwen3_moe": "llama",  # Qwen3 with sparse mixture-of-experts MLPs (`num_experts`)
 }
 
 # `ModelConfig.decode_kernel` choices: the attention of a one-token decode step.
@@ -66,6 +68,14 @@ class ModelConfig:
   tie_word_embeddings: bool = True  # unembedding = embedding table transposed
   attention_bias: bool = False  # bias on q/k/v projections (Qwen2: True)
   qk_norm: bool = False  # RMSNorm over head_dim on each query and key head before RoPE (Qwen3)
+  # Mixture of experts (Qwen3-MoE): 0 experts is a dense MLP. Each token goes to its
+  # `num_experts_per_tok` most probable experts (router softmax in float32; their weights
+  # renormalised when `norm_topk_prob`); `router_aux_loss_coef` weighs the load-balancing loss.
+  num_experts: int = 0
+  num_experts_per_tok: int = 2
+  moe_intermediate_size: int = 0
+  norm_topk_prob: bool = False
+  router_aux_loss_coef: float = 0.0
   max_position_embeddings: int = 8192
   model_type: str = "llama"  # "llama", "qwen2" or "qwen3" (HF naming on save)
   # Numerics: parameters are stored in `param_dtype`; matmuls run in `dtype`; norms, softmax, logits and
@@ -105,9 +115,17 @@ class ModelConfig:
     if not isinstance(self.family, str) or not self.family:
       raise ValueError(f"family must be a registered model family name (e.g. 'llama'), got "
                        f"{self.family!r}.")
-    if self.qk_norm != (self.model_type == "qwen3"):
+    if self.qk_norm != (self.model_type in ("qwen3", "qwen3_moe")):
       raise ValueError(f"qk_norm={self.qk_norm} with model_type={self.model_type!r}: the per-head "
-                       f"query/key norm is Qwen3's, on exactly when model_type='qwen3'.")
+                       f"query/key norm is Qwen3's, on exactly for model_type 'qwen3' and "
+                       f"'qwen3_moe'.")
+    if bool(self.num_experts) != (self.model_type == "qwen3_moe") or (self.num_experts and (
+        not 0 < self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size <= 0)):
+      raise ValueError(f"num_experts={self.num_experts}, num_experts_per_tok="
+                       f"{self.num_experts_per_tok}, moe_intermediate_size="
+                       f"{self.moe_intermediate_size} with model_type={self.model_type!r}: experts "
+                       f"are for model_type='qwen3_moe', with 0 < num_experts_per_tok <= "
+                       f"num_experts and moe_intermediate_size > 0.")
     self._check_decode_kernel()
     self._check_lora()
     if self.head_dim is None:
@@ -133,6 +151,11 @@ class ModelConfig:
     if unknown or (self.lora_rank and not self.lora_targets):
       raise ValueError(f"lora_targets={self.lora_targets!r}: each must be one of {LORA_TARGETS} "
                        f"(and at least one when lora_rank > 0); unknown: {unknown}.")
+    mlp = sorted(set(self.lora_targets) & {"gate_proj", "up_proj", "down_proj"})
+    if self.lora_rank and self.num_experts and mlp:
+      raise ValueError(f"lora_targets include {mlp}, but this model's MLPs are mixtures of experts "
+                       f"(num_experts={self.num_experts}); adapters on experts are not supported: "
+                       f"target the attention projections (q_proj, k_proj, v_proj, o_proj).")
     if not 0.0 <= self.lora_dropout < 1.0 or self.lora_alpha <= 0:
       raise ValueError(f"lora_dropout must be in [0, 1) and lora_alpha > 0; got "
                        f"{self.lora_dropout!r} and {self.lora_alpha!r}.")
@@ -189,7 +212,8 @@ class ModelConfig:
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5 if model_type == "llama" else 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", model_type == "llama")),
         attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        **_moe_fields(hf, model_type),
         max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
         model_type=model_type,
         family=MODEL_TYPE_FAMILY[model_type],
@@ -215,13 +239,33 @@ class ModelConfig:
         "hidden_act": "silu",
         "torch_dtype": self.param_dtype,
     }
-    if self.model_type in ("llama", "qwen3"):
+    if self.model_type in ("llama", "qwen3", "qwen3_moe"):
       out["attention_bias"] = self.attention_bias
+    if self.num_experts:
+      out.update(num_experts=self.num_experts, num_local_experts=self.num_experts,
+                 num_experts_per_tok=self.num_experts_per_tok,
+                 moe_intermediate_size=self.moe_intermediate_size,
+                 norm_topk_prob=self.norm_topk_prob, router_aux_loss_coef=self.router_aux_loss_coef,
+                 decoder_sparse_step=1, mlp_only_layers=[])
     if self.model_type == "llama":
       out["mlp_bias"] = False
     if self.rope_scaling is not None:
       out["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
     return out
+
+
+def _moe_fields(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+  """The mixture-of-experts fields of a HF `config.json` (Qwen3-MoE); every layer must be sparse."""
+  if model_type != "qwen3_moe":
+    return {}
+  if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+    raise ValueError("qwen3_moe configs with dense layers (mlp_only_layers, decoder_sparse_step "
+                     "!= 1) are not supported: every layer must be a mixture of experts.")
+  experts = hf.get("num_experts", hf.get("num_local_experts"))  # transformers >= 5 writes the latter
+  return dict(num_experts=int(experts), num_experts_per_tok=int(hf["num_experts_per_tok"]),
+              moe_intermediate_size=int(hf["moe_intermediate_size"]),
+              norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+              router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)))
 
 
 def tiny_config(vocab_size: int = 256, **overrides) -> ModelConfig:

@@ -69,7 +69,8 @@ class DecodeParams:
   norm: dict  # {"scale": [D]}
   lm_head: jax.Array | None  # [D, V] when embeddings are untied
   layers: tuple  # L dicts: input_norm [D], qk_norm [H+KV, hd] (Qwen3, else None), qkv [D, (H+2KV)hd],
-  #               qkv_bias (or None), o [H hd, D],
+  #               qkv_bias (or None), o [H hd, D], router [D, E] (MoE, else None; then gate_up
+  #               [E, D, 2F] and down [E, F, D] per expert),
   #               post_norm [D], gate_up [D, 2F], down [F, D]
 
 
@@ -78,6 +79,9 @@ class DecoderOutput:
   hidden: jax.Array  # [B, T, D] final-normed hidden states (compute dtype)
   logits: jax.Array | None  # [B, T, V] float32, None when not requested
   cache: KVCache | None  # updated cache, None without one
+  # Mixture-of-experts models only (None for dense ones):
+  routing: jax.Array | None = None  # [B, T, L, k] int32 experts each token was routed to per layer
+  aux_loss: jax.Array | None = None  # [] float32 load-balancing loss over the real tokens
 
 
 def init_cache(config: ModelConfig, batch_size: int, capacity: int) -> KVCache:
@@ -104,7 +108,12 @@ def prepare_decode_params(params, config: ModelConfig) -> DecodeParams:
   qkv = jnp.concatenate([attn[n]["kernel"] for n in ("q_proj", "k_proj", "v_proj")], axis=-1)
   qkv_bias = (jnp.concatenate([attn[n]["bias"] for n in ("q_proj", "k_proj", "v_proj")], axis=-1)
               if config.attention_bias else None)
-  gate_up = jnp.concatenate([mlp["gate_proj"]["kernel"], mlp["up_proj"]["kernel"]], axis=-1)
+  if config.num_experts:  # MoE: the router and the [E, ...] expert stacks, gate|up fused
+    gate_up = jnp.concatenate([mlp["gate_proj"], mlp["up_proj"]], axis=-1)  # [L, E, D, 2F]
+    down, router = mlp["down_proj"], mlp["gate"]["kernel"]  # [L, E, F, D], [L, D, E]
+  else:
+    gate_up = jnp.concatenate([mlp["gate_proj"]["kernel"], mlp["up_proj"]["kernel"]], axis=-1)
+    down, router = mlp["down_proj"]["kernel"], None
   qk_norm = None
   if config.qk_norm:  # one [H + KV, hd] scale: q heads then k heads, as the fused q|k columns
     h, kv = config.num_attention_heads, config.num_key_value_heads
@@ -119,7 +128,8 @@ def prepare_decode_params(params, config: ModelConfig) -> DecodeParams:
        "o": cast(attn["o_proj"]["kernel"][l]),
        "post_norm": jnp.asarray(params["layers"]["post_attention_layernorm"]["scale"][l]),
        "gate_up": cast(gate_up[l]),
-       "down": cast(mlp["down_proj"]["kernel"][l])}
+       "down": cast(down[l]),
+       "router": None if router is None else cast(router[l])}
       for l in range(config.num_hidden_layers))
   return DecodeParams(
       embed=cast(params["embed_tokens"]["embedding"]),
@@ -266,18 +276,73 @@ class MLP(nn.Module):
     return _dense(cfg.hidden_size, ("mlp", "embed"), cfg, name="down_proj")(nn.silu(gate) * up)
 
 
+def _route(logits, k: int, normalize: bool, routing=None):
+  """Top-`k` routing: `(weights [..., k] float32, experts [..., k] int32, probs [..., E])`.
+
+  `probs = softmax(logits)` in float32; the experts are its `k` largest, or `routing` when given
+  (routing replay: the experts a rollout used); weights are their probabilities, renormalised to
+  sum to 1 when `normalize` (Qwen3-MoE's `norm_topk_prob`)."""
+  probs = jax.nn.softmax(logits.astype(_F32), axis=-1)
+  if routing is None:
+    weights, experts = jax.lax.top_k(probs, k)
+  else:
+    experts = routing.astype(jnp.int32)
+    weights = jnp.take_along_axis(probs, experts, axis=-1)
+  if normalize:
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  return weights, experts.astype(jnp.int32), probs
+
+
+def _moe_combine(x, weights, experts, gate, up, down, num_experts: int):
+  """Sum over each token's experts of `weight * down(silu(gate x) * up x)`; `gate`/`up` are
+  `[E, D, F]`, `down` `[E, F, D]`. Every expert runs on every token and unselected ones get weight
+  0: exact, and simple to shard, but E / k times the routed FLOPs (a grouped matmul is the
+  accelerator-scale version)."""
+  combine = jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=_F32) * weights[..., None], axis=-2)
+  h = nn.silu(jnp.einsum("btd,edf->btef", x, gate)) * jnp.einsum("btd,edf->btef", x, up)
+  out = jnp.einsum("btef,efd->bted", h, down)
+  return jnp.einsum("bte,bted->btd", combine.astype(x.dtype), out)
+
+
+class MoE(nn.Module):
+  """A sparse mixture-of-experts MLP (Qwen3-MoE): a linear router `gate` over `num_experts`
+  SwiGLU experts, top-`num_experts_per_tok` routing. Returns `(y, experts [B, T, k], probs
+  [B, T, E])`; `routing` (`[B, T, k]`) replays given experts instead of the router's top-k."""
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, routing=None):
+    cfg = self.config
+    e, f, d = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+    logits = _dense(e, ("embed", "experts"), cfg, name="gate")(x)
+    weights, experts, probs = _route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, routing)
+    init = lambda names: nn.with_logical_partitioning(nn.initializers.normal(0.02), names)
+    gate = self.param("gate_proj", init(("experts", "embed", "mlp")), (e, d, f), pdtype)
+    up = self.param("up_proj", init(("experts", "embed", "mlp")), (e, d, f), pdtype)
+    down = self.param("down_proj", init(("experts", "mlp", "embed")), (e, f, d), pdtype)
+    y = _moe_combine(x.astype(dtype), weights, experts, gate.astype(dtype), up.astype(dtype),
+                     down.astype(dtype), e)
+    return y, experts, probs
+
+
 class Block(nn.Module):
   """One pre-norm decoder block; the scan carry is the residual stream (`cached_forward` runs the
   same math on `DecodeParams`, see `_cached_block`)."""
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x, _, rope, mask):
+  def __call__(self, x, routing, rope, mask):
+    """`routing`: this layer's `[B, T, k]` experts to replay (MoE), or None. Returns `(x, None)`,
+    or for MoE `(x, (experts [B, T, k], probs [B, T, E]))` (stacked over layers by the scan)."""
     cfg = self.config
     x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
     h = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype, name="input_layernorm")(x)
     x = x + Attention(cfg, name="self_attn")(h, rope, mask)
     h = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype, name="post_attention_layernorm")(x)
+    if cfg.num_experts:
+      y, experts, probs = MoE(cfg, name="mlp")(h, routing)
+      return x + y, (experts, probs)
     return x + MLP(cfg, name="mlp")(h), None
 
 
@@ -333,7 +398,8 @@ class Transformer(nn.Module):
     if not cfg.tie_word_embeddings:
       self.lm_head = _dense(cfg.vocab_size, ("embed", "vocab"), cfg)
 
-  def __call__(self, tokens, positions=None, lengths=None, compute_logits: bool = True) -> DecoderOutput:
+  def __call__(self, tokens, positions=None, lengths=None, compute_logits: bool = True,
+               routing=None) -> DecoderOutput:
     b, t = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -342,10 +408,17 @@ class Transformer(nn.Module):
     mask, _, _ = _attention_mask(jnp.zeros((b,), jnp.int32), lengths, t,
                                  jnp.arange(t, dtype=jnp.int32))
     x = self.embed_tokens(tokens)
-    x, _ = self.layers(x, None, rope_tables(positions, self.config), mask)
+    replay = None if routing is None else jnp.moveaxis(jnp.asarray(routing, jnp.int32), 2, 0)
+    x, per_layer = self.layers(x, replay, rope_tables(positions, self.config), mask)
     hidden = self.norm(x)
     logits = self.logits(hidden) if compute_logits else None
-    return DecoderOutput(hidden=hidden, logits=logits, cache=None)
+    if not self.config.num_experts:
+      return DecoderOutput(hidden=hidden, logits=logits, cache=None)
+    experts, probs = per_layer  # [L, B, T, k], [L, B, T, E]
+    real = jnp.arange(t)[None, :] < lengths[:, None]
+    return DecoderOutput(hidden=hidden, logits=logits, cache=None,
+                         routing=jnp.moveaxis(experts, 0, 2),
+                         aux_loss=load_balancing_loss(experts, probs, real, self.config.num_experts))
 
   def logits(self, hidden):
     """float32 `[..., V]` logits of final-normed hidden states."""
@@ -354,6 +427,19 @@ class Transformer(nn.Module):
       return jnp.einsum("...d,vd->...v", hidden, table.astype(hidden.dtype),
                         preferred_element_type=_F32)
     return self.lm_head(hidden).astype(_F32)
+
+
+def load_balancing_loss(experts, probs, real, num_experts: int):
+  """Switch-Transformer load balancing (HF `load_balancing_loss_func`): `E * sum_e f_e P_e`, with
+  `f_e` the share of routed (token, slot) pairs that chose expert `e` and `P_e` its mean router
+  probability, both averaged over the real tokens of every layer. experts `[L, B, T, k]`, probs
+  `[L, B, T, E]`, real `[B, T]` bool."""
+  w = jnp.broadcast_to(real[None].astype(_F32), experts.shape[:3])
+  rows = jnp.maximum(jnp.sum(w), 1.0)
+  counts = jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=_F32) * w[..., None, None],
+                   axis=(0, 1, 2, 3))
+  mean_probs = jnp.sum(probs * w[..., None], axis=(0, 1, 2))
+  return num_experts * jnp.sum((counts / rows) * (mean_probs / rows))
 
 
 def decode_logits(params: DecodeParams, config: ModelConfig, hidden):
@@ -439,8 +525,14 @@ def _cached_block(w, config: ModelConfig, x, layer_k, layer_v, rope, mask, slots
                           config.decode_kernel)
   x = x + jnp.dot(out.reshape(b, t, h * hd), w["o"])
   y = _rms_norm(x, w["post_norm"], config.rms_norm_eps)
+  if w["router"] is not None:  # MoE (`MoE`): the same routing and expert math
+    weights, experts, _ = _route(jnp.dot(y, w["router"]), config.num_experts_per_tok,
+                                 config.norm_topk_prob)
+    gate, up = jnp.split(w["gate_up"], 2, axis=-1)
+    return (x + _moe_combine(y, weights, experts, gate, up, w["down"], config.num_experts),
+            layer_k, layer_v, experts)
   gate, up = jnp.split(jnp.dot(y, w["gate_up"]), 2, axis=-1)
-  return x + jnp.dot(nn.silu(gate) * up, w["down"]), layer_k, layer_v
+  return x + jnp.dot(nn.silu(gate) * up, w["down"]), layer_k, layer_v, None
 
 
 def cached_forward(params, config: ModelConfig, tokens, cache: KVCache, positions=None,
@@ -476,15 +568,17 @@ def cached_forward(params, config: ModelConfig, tokens, cache: KVCache, position
   x = jnp.take(params.embed, tokens, axis=0).astype(jnp.dtype(config.dtype))
   if rope is None:
     rope = rope_tables(positions, config)
-  new_k, new_v = [], []
+  new_k, new_v, routing = [], [], []
   for w, k, v in zip(params.layers, cache.k, cache.v):
-    x, k, v = _cached_block(w, config, x, k, v, rope, mask, query_slots)
+    x, k, v, experts = _cached_block(w, config, x, k, v, rope, mask, query_slots)
     new_k.append(k)
     new_v.append(v)
+    routing.append(experts)
   hidden = _rms_norm(x, params.norm["scale"], config.rms_norm_eps)
   logits = decode_logits(params, config, hidden) if compute_logits else None
   return DecoderOutput(hidden=hidden, logits=logits,
-                       cache=KVCache(k=tuple(new_k), v=tuple(new_v), end=new_end))
+                       cache=KVCache(k=tuple(new_k), v=tuple(new_v), end=new_end),
+                       routing=jnp.stack(routing, axis=2) if config.num_experts else None)
 
 
 def unembedding(params, config: ModelConfig):
