@@ -29,6 +29,17 @@ _FAMILIES = {
                                          num_experts=4, num_experts_per_tok=2,
                                          moe_intermediate_size=32, norm_topk_prob=True,
                                          router_aux_loss_coef=0.01)),
+    # 5 layers: 3 sliding-window (window 4, shorter than the test sequences) and 2 full.
+    "gemma3_text": ("Gemma3TextConfig", dict(head_dim=16, sliding_window=4,
+                                             query_pre_attn_scalar=24, layer_types=[
+                                                 "sliding_attention", "full_attention",
+                                                 "sliding_attention", "sliding_attention",
+                                                 "full_attention"],
+                                             rope_parameters={
+                                                 "full_attention": {"rope_type": "default",
+                                                                    "rope_theta": 1e6},
+                                                 "sliding_attention": {"rope_type": "default",
+                                                                       "rope_theta": 1e4}})),
 }
 
 
@@ -36,7 +47,8 @@ def _hf_model(name, seed=0):
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
   config_class, extra = _FAMILIES[name]
-  config = getattr(transformers, config_class)(**_SMALL, **extra)
+  small = dict(_SMALL, num_hidden_layers=5) if name == "gemma3_text" else _SMALL
+  config = getattr(transformers, config_class)(**small, **extra)
   torch.manual_seed(seed)
   model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
   with torch.no_grad():  # norms start at 1 (or 0): randomise them so a missed norm shows
@@ -61,7 +73,8 @@ def test_logits_match_transformers(tmp_path, name):
   model = _hf_model(name)
   model.save_pretrained(str(tmp_path / "hf"), safe_serialization=True)
   config, params, _ = checkpoint.load(tmp_path / "hf")
-  assert config.model_type == name and config.qk_norm == name.startswith("qwen3")
+  assert config.model_type == name and config.qk_norm == (name in ("qwen3", "qwen3_moe",
+                                                                    "gemma3_text"))
   assert config.num_experts == (4 if name == "qwen3_moe" else 0)
   tokens = _tokens()
   ours = np.asarray(Transformer(config).apply({"params": params}, jnp.asarray(tokens)).logits)

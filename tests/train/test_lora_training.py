@@ -11,16 +11,13 @@ import pytest
 
 from longhorizon.core.episode import to_device
 from longhorizon.models import lora
+from longhorizon.studies import sweeps
 from longhorizon.train import config as config_lib
 from longhorizon.train.learner import Learner, _logprobs
 from longhorizon.train.metrics import Timer
 
-import importlib.util
-
-_spec = importlib.util.spec_from_file_location(
-    "default_config", os.path.join(os.path.dirname(__file__), "..", "..", "configs", "default.py"))
-default_config = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(default_config)
+default_config = sweeps.config_module(
+    os.path.join(os.path.dirname(__file__), "..", "..", "configs", "default.py"))
 
 
 def _learner(tmp_path, **changes):

@@ -1,7 +1,8 @@
 """Decoder models behind one lookup: `family(config)` returns the `ModelFamily` `config.family` names.
 
-The families: "llama" (`llama.py`: Llama 2/3.x, SmolLM2, Qwen2/2.5; `ModelConfig.family` defaults to
-it, and HF / GGUF loading maps `model_type` to it through `config.MODEL_TYPE_FAMILY`).
+The families: "llama" (`llama.py`: Llama 2/3.x, SmolLM2, Qwen2/2.5, Qwen3, Qwen3-MoE, Gemma 3;
+`ModelConfig.family` defaults to it, and HF / GGUF loading maps `model_type` to it through
+`config.MODEL_TYPE_FAMILY`).
 
 Adding a family is one module plus its registration:
   1. `models/<name>.py` defining the parts `ModelFamily` lists (whole-sequence module, critic, policy

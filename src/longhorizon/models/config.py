@@ -1,4 +1,5 @@
-"""`ModelConfig`: the architecture of a decoder (today the Llama family: Llama 2/3.x, SmolLM2, Qwen2/2.5).
+"""`ModelConfig`: the architecture of a decoder (the Llama family: Llama 2/3.x, SmolLM2, Qwen2/2.5, Qwen3,
+Qwen3-MoE and Gemma 3, each a set of fields on one config).
 
 Field names follow HuggingFace `config.json` where one exists, so `from_hf` / `to_hf` are near
 identities and a reader of either file recognises every entry. `family` names the implementation
@@ -21,6 +22,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 
 # HF `model_type` -> the model family (`models/families.py`) that implements it.
@@ -29,7 +31,13 @@ MODEL_TYPE_FAMILY = {
     "qwen2": "llama",  # Llama with q/k/v biases and untied embeddings
     "qwen3": "llama",  # Llama with a per-head RMSNorm on queries and keys (`qk_norm`), no biases
     "qwen3_moe": "llama",  # Qwen3 with sparse mixture-of-experts MLPs (`num_experts`)
+    "gemma3_text": "llama",  # Gemma 3: (1 + w) norms around attention and MLP, GELU, scaled
+    #                          embeddings, q/k norm, sliding-window layers with their own RoPE base
 }
+
+# Gemma 3's per-layer attention kinds (`ModelConfig.layer_types`, HF `layer_types`).
+LAYER_TYPES = ("full_attention", "sliding_attention")
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 
 # `ModelConfig.decode_kernel` choices: the attention of a one-token decode step.
 #   "auto": the C++ kernel (`models/cpu_kernels.py`) when running on CPU with float32 caches, at most
@@ -76,6 +84,19 @@ class ModelConfig:
   moe_intermediate_size: int = 0
   norm_topk_prob: bool = False
   router_aux_loss_coef: float = 0.0
+  # Gemma 3 (model_type "gemma3_text"): RMSNorm scales by (1 + w) (`norm_plus_one`); extra norms
+  # after attention and around the MLP (`sandwich_norms`); `hidden_act`; embeddings times
+  # sqrt(hidden_size); attention scaled by query_pre_attn_scalar^-0.5 (0: head_dim^-0.5);
+  # `layer_types[l]` "sliding_attention" layers see the last `sliding_window` positions and rotate
+  # with `rope_local_theta`.
+  norm_plus_one: bool = False
+  sandwich_norms: bool = False
+  hidden_act: str = "silu"
+  scale_embeddings: bool = False
+  query_pre_attn_scalar: float = 0.0
+  sliding_window: int = 0
+  layer_types: tuple = ()
+  rope_local_theta: float = 0.0
   max_position_embeddings: int = 8192
   model_type: str = "llama"  # "llama", "qwen2" or "qwen3" (HF naming on save)
   # Numerics: parameters are stored in `param_dtype`; matmuls run in `dtype`; norms, softmax, logits and
@@ -115,10 +136,11 @@ class ModelConfig:
     if not isinstance(self.family, str) or not self.family:
       raise ValueError(f"family must be a registered model family name (e.g. 'llama'), got "
                        f"{self.family!r}.")
-    if self.qk_norm != (self.model_type in ("qwen3", "qwen3_moe")):
+    if self.qk_norm != (self.model_type in ("qwen3", "qwen3_moe", "gemma3_text")):
       raise ValueError(f"qk_norm={self.qk_norm} with model_type={self.model_type!r}: the per-head "
-                       f"query/key norm is Qwen3's, on exactly for model_type 'qwen3' and "
-                       f"'qwen3_moe'.")
+                       f"query/key norm is on exactly for model_type 'qwen3', 'qwen3_moe' and "
+                       f"'gemma3_text'.")
+    self._check_gemma()
     if bool(self.num_experts) != (self.model_type == "qwen3_moe") or (self.num_experts and (
         not 0 < self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size <= 0)):
       raise ValueError(f"num_experts={self.num_experts}, num_experts_per_tok="
@@ -142,6 +164,33 @@ class ModelConfig:
           f"decode_kernel='cpu' needs dtype='float32' and at most {cpu_kernels.MAX_GROUP} query heads "
           f"per kv head; got dtype={self.dtype!r} and {group} query heads per kv head. Use "
           f"decode_kernel='auto' (the kernel where it applies, else XLA) or 'xla'.")
+
+  def _check_gemma(self):
+    object.__setattr__(self, "layer_types", tuple(self.layer_types))
+    gemma = self.model_type == "gemma3_text"
+    flags = (self.norm_plus_one, self.sandwich_norms, self.scale_embeddings)
+    if any(f != gemma for f in flags):
+      raise ValueError(f"norm_plus_one, sandwich_norms and scale_embeddings are Gemma 3's: on "
+                       f"exactly for model_type='gemma3_text' (got {flags} for "
+                       f"{self.model_type!r}).")
+    if self.hidden_act not in HIDDEN_ACTS:
+      raise ValueError(f"hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}.")
+    if self.layer_types and (len(self.layer_types) != self.num_hidden_layers
+                             or not set(self.layer_types) <= set(LAYER_TYPES)):
+      raise ValueError(f"layer_types must give one of {LAYER_TYPES} for each of the "
+                       f"{self.num_hidden_layers} layers, got {self.layer_types!r}.")
+    if "sliding_attention" in self.layer_types and self.sliding_window < 1:
+      raise ValueError(f"sliding_attention layers need sliding_window >= 1, got "
+                       f"{self.sliding_window}.")
+
+  @property
+  def sliding_layers(self) -> tuple:
+    """`[L]` bools: which layers attend within `sliding_window` (all False without layer types)."""
+    return tuple(t == "sliding_attention" for t in self.layer_types) or (False,) * self.num_hidden_layers
+
+  @property
+  def attention_scale(self) -> float:
+    return (self.query_pre_attn_scalar or self.dims_per_head) ** -0.5
 
   def _check_lora(self):
     object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
@@ -199,6 +248,9 @@ class ModelConfig:
     rope_theta = hf.get("rope_theta")
     if rope_theta is None:  # transformers >= 5 nests it under rope_parameters
       rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    gemma = _gemma_fields(hf, model_type)
+    if gemma:
+      rope_theta = gemma.pop("rope_theta")
     return cls(
         vocab_size=int(hf["vocab_size"]),
         hidden_size=int(hf["hidden_size"]),
@@ -210,10 +262,11 @@ class ModelConfig:
         rope_theta=float(rope_theta),
         rope_scaling=rope_scaling,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5 if model_type == "llama" else 1e-6)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", model_type == "llama")),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", model_type in ("llama", "gemma3_text"))),
         attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
         **_moe_fields(hf, model_type),
+        **gemma,
         max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
         model_type=model_type,
         family=MODEL_TYPE_FAMILY[model_type],
@@ -241,6 +294,18 @@ class ModelConfig:
     }
     if self.model_type in ("llama", "qwen3", "qwen3_moe"):
       out["attention_bias"] = self.attention_bias
+    if self.model_type == "gemma3_text":
+      del out["hidden_act"]
+      scalar = self.query_pre_attn_scalar  # transformers' config wants an int when it is one
+      out.update(hidden_activation=self.hidden_act,
+                 query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
+                 sliding_window=self.sliding_window, layer_types=list(self.layer_types),
+                 rope_parameters={
+                     "full_attention": {"rope_type": "default", "rope_theta": self.rope_theta},
+                     "sliding_attention": {"rope_type": "default",
+                                           "rope_theta": self.rope_local_theta}},
+                 final_logit_softcapping=None, attn_logit_softcapping=None)
+      del out["rope_theta"]
     if self.num_experts:
       out.update(num_experts=self.num_experts, num_local_experts=self.num_experts,
                  num_experts_per_tok=self.num_experts_per_tok,
@@ -252,6 +317,28 @@ class ModelConfig:
     if self.rope_scaling is not None:
       out["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
     return out
+
+
+def _gemma_fields(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+  """Gemma 3's fields of a HF `config.json` (RoPE bases per layer kind: transformers >= 5 nests
+  them under `rope_parameters`, older files have `rope_theta` / `rope_local_base_freq`)."""
+  if model_type != "gemma3_text":
+    return {}
+  for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+    if hf.get(key):
+      raise ValueError(f"{key}={hf[key]} is not supported (Gemma 2's soft-capping).")
+  rope = hf.get("rope_parameters") or {}
+  local = (rope.get("sliding_attention") or {}).get("rope_theta", hf.get("rope_local_base_freq"))
+  full = (rope.get("full_attention") or {}).get("rope_theta", hf.get("rope_theta", 1e6))
+  for kind in ("full_attention", "sliding_attention"):
+    if (rope.get(kind) or {}).get("rope_type", "default") != "default":
+      raise ValueError(f"gemma3 rope_type {rope[kind]['rope_type']!r} ({kind}) is not supported.")
+  return dict(norm_plus_one=True, sandwich_norms=True, scale_embeddings=True,
+              hidden_act=hf.get("hidden_activation", "gelu_pytorch_tanh"),
+              query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+              sliding_window=int(hf.get("sliding_window") or 0),
+              layer_types=tuple(hf.get("layer_types") or ()), rope_theta=float(full),
+              rope_local_theta=float(local or 10000.0))
 
 
 def _moe_fields(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:

@@ -4,7 +4,8 @@ A family is one module (the decoder, its critic, its KV cache and its cached dec
 `register_family(ModelFamily(...))` call. Everything model-specific outside `models/` (the sampler,
 and the learner through `longhorizon.models`) reaches the model through this lookup, never by
 importing a family's module. The families registered here: "llama" (`llama.py`: Llama 2/3.x,
-SmolLM2, Qwen2/2.5).
+SmolLM2, Qwen2/2.5, and as config fields Qwen3's q/k norm, Qwen3-MoE's experts, Gemma 3's norms,
+GELU, scaled embeddings and sliding-window layers).
 """
 
 from __future__ import annotations

@@ -68,7 +68,9 @@ class DecodeParams:
   embed: jax.Array  # [V, D]
   norm: dict  # {"scale": [D]}
   lm_head: jax.Array | None  # [D, V] when embeddings are untied
-  layers: tuple  # L dicts: input_norm [D], qk_norm [H+KV, hd] (Qwen3, else None), qkv [D, (H+2KV)hd],
+  layers: tuple  # L dicts: input_norm [D], out_norms (Gemma: the norms of the attention and MLP
+  #               outputs, 2 x [D], else None), post_norm [D] (before the MLP), qk_norm [H+KV, hd]
+  #               (Qwen3 / Gemma 3, else None), qkv [D, (H+2KV)hd],
   #               qkv_bias (or None), o [H hd, D], router [D, E] (MoE, else None; then gate_up
   #               [E, D, 2F] and down [E, F, D] per expert),
   #               post_norm [D], gate_up [D, 2F], down [F, D]
@@ -120,13 +122,20 @@ def prepare_decode_params(params, config: ModelConfig) -> DecodeParams:
     qk_norm = jnp.concatenate(
         [jnp.repeat(jnp.asarray(attn["q_norm"]["scale"])[:, None], h, axis=1),
          jnp.repeat(jnp.asarray(attn["k_norm"]["scale"])[:, None], kv, axis=1)], axis=1)
+  norms = {k: params["layers"][k]["scale"] for k in params["layers"] if k.endswith("layernorm")}
+  if config.sandwich_norms:  # Gemma: the pre-MLP norm is pre_feedforward_layernorm
+    pre_mlp = norms["pre_feedforward_layernorm"]
+    out_norms = (norms["post_attention_layernorm"], norms["post_feedforward_layernorm"])
+  else:
+    pre_mlp, out_norms = norms["post_attention_layernorm"], None
   layers = tuple(
-      {"input_norm": jnp.asarray(params["layers"]["input_layernorm"]["scale"][l]),
+      {"input_norm": jnp.asarray(norms["input_layernorm"][l]),
+       "out_norms": None if out_norms is None else tuple(jnp.asarray(n[l]) for n in out_norms),
        "qk_norm": None if qk_norm is None else qk_norm[l],
        "qkv": cast(qkv[l]),
        "qkv_bias": None if qkv_bias is None else cast(qkv_bias[l]),
        "o": cast(attn["o_proj"]["kernel"][l]),
-       "post_norm": jnp.asarray(params["layers"]["post_attention_layernorm"]["scale"][l]),
+       "post_norm": jnp.asarray(pre_mlp[l]),
        "gate_up": cast(gate_up[l]),
        "down": cast(down[l]),
        "router": None if router is None else cast(router[l])}
@@ -138,10 +147,12 @@ def prepare_decode_params(params, config: ModelConfig) -> DecodeParams:
       layers=layers)
 
 
-def rope_frequencies(config: ModelConfig) -> np.ndarray:
-  """`[hd/2]` float32 inverse frequencies `theta^(-2i/hd)`, with Llama-3 scaling when configured."""
+def rope_frequencies(config: ModelConfig, theta: float | None = None) -> np.ndarray:
+  """`[hd/2]` float32 inverse frequencies `theta^(-2i/hd)` (default `config.rope_theta`), with
+  Llama-3 scaling when configured."""
   hd = config.dims_per_head
-  inv_freq = 1.0 / (config.rope_theta**(np.arange(0, hd, 2, dtype=np.int64).astype(np.float32) / hd))
+  theta = config.rope_theta if theta is None else theta
+  inv_freq = 1.0 / (theta**(np.arange(0, hd, 2, dtype=np.int64).astype(np.float32) / hd))
   scaling = config.rope_scaling
   if scaling is None:
     return inv_freq.astype(np.float32)
@@ -159,11 +170,27 @@ def rope_frequencies(config: ModelConfig) -> np.ndarray:
 
 def rope_tables(positions, config: ModelConfig):
   """`(cos, sin)`, each `[B, T, 1, hd]` float32, for `positions [B, T]`; computed once per forward
-  pass and shared by every layer."""
-  inv_freq = jnp.asarray(rope_frequencies(config))  # [hd/2]
-  freqs = positions.astype(_F32)[..., None] * inv_freq.reshape((1,) * positions.ndim + (-1,))
-  emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-  return jnp.cos(emb), jnp.sin(emb)
+  pass and shared by every layer. With `rope_local_theta` (Gemma 3), a pair of them: `(full,
+  sliding)`, the sliding-window layers' tables rotating with their own base."""
+  def tables(theta):
+    inv_freq = jnp.asarray(rope_frequencies(config, theta))  # [hd/2]
+    freqs = positions.astype(_F32)[..., None] * inv_freq.reshape((1,) * positions.ndim + (-1,))
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    return jnp.cos(emb), jnp.sin(emb)
+  if config.rope_local_theta:
+    return tables(config.rope_theta), tables(config.rope_local_theta)
+  return tables(config.rope_theta)
+
+
+def _layer_rope(rope, config: ModelConfig, sliding):
+  """The `(cos, sin)` a layer rotates with: `rope` itself, or for Gemma 3 the full or sliding pair
+  (`sliding` a bool, or a traced one inside the layer scan)."""
+  if not config.rope_local_theta:
+    return rope
+  full, local = rope
+  if isinstance(sliding, bool):
+    return local if sliding else full
+  return jax.tree.map(lambda f, l: jnp.where(sliding, l, f), full, local)
 
 
 def _apply_rope(x, rope):
@@ -222,21 +249,35 @@ class LoraDense(nn.Module):
 
 
 class RMSNorm(nn.Module):
+  """RMSNorm; `plus_one` (Gemma) stores `w` and scales by `1 + w` (initialised at 0)."""
   eps: float
   param_dtype: str = "float32"
+  plus_one: bool = False
 
   @nn.compact
   def __call__(self, x):
-    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+    init = nn.initializers.zeros_init() if self.plus_one else nn.initializers.ones
+    scale = self.param("scale", nn.with_logical_partitioning(init, ("norm",)),
                        (x.shape[-1],), jnp.dtype(self.param_dtype))
-    return _rms_norm(x, scale, self.eps)
+    return _rms_norm(x, scale, self.eps, self.plus_one)
 
 
-def _rms_norm(x, scale, eps):
+def _norm(cfg: ModelConfig, name: str):
+  return RMSNorm(cfg.rms_norm_eps, cfg.param_dtype, cfg.norm_plus_one, name=name)
+
+
+def _rms_norm(x, scale, eps, plus_one: bool = False):
   """RMSNorm in float32, returned in `x`'s dtype (shared by `RMSNorm` and `cached_forward`)."""
   x32 = x.astype(_F32)
   y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return (y * scale.astype(_F32).reshape((1,) * (y.ndim - 1) + (-1,))).astype(x.dtype)
+  scale = scale.astype(_F32) + (1.0 if plus_one else 0.0)
+  return (y * scale.reshape((1,) * (y.ndim - 1) + (-1,))).astype(x.dtype)
+
+
+def _activation(cfg: ModelConfig, x):
+  if cfg.hidden_act == "gelu_pytorch_tanh":
+    return jax.nn.gelu(x, approximate=True)
+  return nn.silu(x)
 
 
 class Attention(nn.Module):
@@ -245,20 +286,24 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x, rope, mask):
-    cfg = self.config
+    cfg = self.config  # `rope`: this layer's (cos, sin); `mask`: its [B, T, T] visibility
     b, t, _ = x.shape
     h, kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dims_per_head
     q = _dense(h * hd, ("embed", "heads"), cfg, use_bias=cfg.attention_bias, name="q_proj")(x)
     k = _dense(kv * hd, ("embed", "kv_heads"), cfg, use_bias=cfg.attention_bias, name="k_proj")(x)
     v = _dense(kv * hd, ("embed", "kv_heads"), cfg, use_bias=cfg.attention_bias, name="v_proj")(x)
     q, k = q.reshape(b, t, h, hd), k.reshape(b, t, kv, hd)
-    if cfg.qk_norm:  # Qwen3: RMSNorm over each head's dimensions, before RoPE
-      q = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype, name="q_norm")(q)
-      k = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype, name="k_norm")(k)
+    if cfg.qk_norm:  # Qwen3 / Gemma 3: RMSNorm over each head's dimensions, before RoPE
+      q = _norm(cfg, "q_norm")(q)
+      k = _norm(cfg, "k_norm")(k)
     q, k = _apply_rope(q, rope), _apply_rope(k, rope)
     keys, values = k.transpose(0, 2, 1, 3), v.reshape(b, t, kv, hd).transpose(0, 2, 1, 3)
     q = q.reshape(b, t, kv, h // kv, hd)
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, keys, preferred_element_type=_F32) / math.sqrt(hd)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, keys, preferred_element_type=_F32)
+    if cfg.query_pre_attn_scalar:  # Gemma: scaled by query_pre_attn_scalar^-0.5
+      scores = scores * cfg.attention_scale
+    else:
+      scores = scores / math.sqrt(hd)
     scores = jnp.where(mask[:, None, None, :, :], scores, -1e30)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("bkgts,bksd->btkgd", probs, values).reshape(b, t, h * hd)
@@ -273,7 +318,7 @@ class MLP(nn.Module):
     cfg = self.config
     gate = _dense(cfg.intermediate_size, ("embed", "mlp"), cfg, name="gate_proj")(x)
     up = _dense(cfg.intermediate_size, ("embed", "mlp"), cfg, name="up_proj")(x)
-    return _dense(cfg.hidden_size, ("mlp", "embed"), cfg, name="down_proj")(nn.silu(gate) * up)
+    return _dense(cfg.hidden_size, ("mlp", "embed"), cfg, name="down_proj")(_activation(cfg, gate) * up)
 
 
 def _route(logits, k: int, normalize: bool, routing=None):
@@ -332,14 +377,25 @@ class Block(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x, routing, rope, mask):
-    """`routing`: this layer's `[B, T, k]` experts to replay (MoE), or None. Returns `(x, None)`,
-    or for MoE `(x, (experts [B, T, k], probs [B, T, E]))` (stacked over layers by the scan)."""
+  def __call__(self, x, per_layer, rope, mask):
+    """`per_layer`: this layer's `(routing, sliding)`: `[B, T, k]` experts to replay (MoE) or None,
+    and whether it is a sliding-window layer. `rope`, `mask`: every kind's (see `Transformer`).
+    Returns `(x, None)`, or for MoE `(x, (experts [B, T, k], probs [B, T, E]))` (stacked over
+    layers by the scan)."""
     cfg = self.config
+    routing, sliding = per_layer
     x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
-    h = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype, name="input_layernorm")(x)
-    x = x + Attention(cfg, name="self_attn")(h, rope, mask)
-    h = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype, name="post_attention_layernorm")(x)
+    h = _norm(cfg, "input_layernorm")(x)
+    if cfg.sliding_window:
+      full, window = mask
+      mask = jnp.where(sliding, window, full)
+    attn = Attention(cfg, name="self_attn")(h, _layer_rope(rope, cfg, sliding), mask)
+    if cfg.sandwich_norms:  # Gemma: norms after attention and around the MLP
+      x = x + _norm(cfg, "post_attention_layernorm")(attn)
+      h = _norm(cfg, "pre_feedforward_layernorm")(x)
+      return x + _norm(cfg, "post_feedforward_layernorm")(MLP(cfg, name="mlp")(h)), None
+    x = x + attn
+    h = _norm(cfg, "post_attention_layernorm")(x)
     if cfg.num_experts:
       y, experts, probs = MoE(cfg, name="mlp")(h, routing)
       return x + y, (experts, probs)
@@ -350,6 +406,19 @@ _REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block
     "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
 }
+
+
+def _embed(x, config: ModelConfig):
+  """Token embeddings, times sqrt(hidden_size) for Gemma (rounded to the compute dtype first, as
+  HF does)."""
+  if not config.scale_embeddings:
+    return x
+  return x * jnp.asarray(config.hidden_size**0.5, x.dtype)
+
+
+def _window(mask, query_slots, key_slots, window: int):
+  """`mask` limited to each query's last `window` positions (the query's own included)."""
+  return mask & (key_slots[None, None, :] > query_slots[:, :, None] - window)
 
 
 def _attention_mask(start, lengths, t, key_slots):
@@ -394,7 +463,7 @@ class Transformer(nn.Module):
         block, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
         in_axes=(0, nn.broadcast, nn.broadcast), length=cfg.num_hidden_layers,
         metadata_params={nn.PARTITION_NAME: "layers"})(cfg)
-    self.norm = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype)
+    self.norm = RMSNorm(cfg.rms_norm_eps, cfg.param_dtype, cfg.norm_plus_one)
     if not cfg.tie_word_embeddings:
       self.lm_head = _dense(cfg.vocab_size, ("embed", "vocab"), cfg)
 
@@ -407,9 +476,13 @@ class Transformer(nn.Module):
       lengths = jnp.full((b,), t, jnp.int32)
     mask, _, _ = _attention_mask(jnp.zeros((b,), jnp.int32), lengths, t,
                                  jnp.arange(t, dtype=jnp.int32))
-    x = self.embed_tokens(tokens)
+    x = _embed(self.embed_tokens(tokens), self.config)
     replay = None if routing is None else jnp.moveaxis(jnp.asarray(routing, jnp.int32), 2, 0)
-    x, per_layer = self.layers(x, replay, rope_tables(positions, self.config), mask)
+    sliding = jnp.asarray(self.config.sliding_layers)
+    if self.config.sliding_window:
+      mask = (mask, _window(mask, jnp.arange(t, dtype=jnp.int32)[None, :],
+                            jnp.arange(t, dtype=jnp.int32), self.config.sliding_window))
+    x, per_layer = self.layers(x, (replay, sliding), rope_tables(positions, self.config), mask)
     hidden = self.norm(x)
     logits = self.logits(hidden) if compute_logits else None
     if not self.config.num_experts:
@@ -476,7 +549,7 @@ def _decode_step_attention(q1, layer_k, layer_v, mask, decode_kernel: str):
       cpu=lambda q1, k, v, _, n: cpu_kernels.decode_attention(q1, k, v, n))
 
 
-def _cached_attention(q, layer_k, layer_v, mask, decode_kernel: str):
+def _cached_attention(q, layer_k, layer_v, mask, decode_kernel: str, scale: float | None = None):
   """Grouped-query attention of new queries against a cache.
 
   q: `[B, T, KV, G, hd]`; layer_k, layer_v: `[B, KV, S, hd]`; mask `[B, T, S]`, for a decode step
@@ -488,7 +561,7 @@ def _cached_attention(q, layer_k, layer_v, mask, decode_kernel: str):
   slots of every layer every step (the sampler's largest cost after the matmuls at batch 64). Longer
   appends (prefill, observations) run einsums.
   """
-  scale = 1.0 / math.sqrt(q.shape[-1])
+  scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
   if q.shape[1] == 1:
     q1 = q[:, 0].astype(_F32) * scale  # [B, KV, G, hd]
     out = _decode_step_attention(q1, layer_k, layer_v, mask, decode_kernel)
@@ -500,20 +573,23 @@ def _cached_attention(q, layer_k, layer_v, mask, decode_kernel: str):
   return out.transpose(0, 3, 1, 2, 4).astype(q.dtype)
 
 
-def _cached_block(w, config: ModelConfig, x, layer_k, layer_v, rope, mask, slots):
+def _cached_block(w, config: ModelConfig, x, layer_k, layer_v, rope, mask, slots,
+                  sliding: bool = False):
   """`Block` on `DecodeParams` weights with a KV cache: writes the new keys/values at `slots`
-  (`[B, T]`; slots past the capacity are dropped, never wrapped) and attends to the cache."""
+  (`[B, T]`; slots past the capacity are dropped, never wrapped) and attends to the cache.
+  `rope` and `mask` are this layer's (`sliding`: a sliding-window layer)."""
   b, t, _ = x.shape
   h, kv, hd = config.num_attention_heads, config.num_key_value_heads, config.dims_per_head
-  y = _rms_norm(x, w["input_norm"], config.rms_norm_eps)
+  y = _rms_norm(x, w["input_norm"], config.rms_norm_eps, config.norm_plus_one)
   qkv = jnp.dot(y, w["qkv"])
   if w["qkv_bias"] is not None:
     qkv = qkv + w["qkv_bias"][None, None, :]
   qk = qkv[..., :(h + kv) * hd].reshape(b, t, h + kv, hd)
-  if w["qk_norm"] is not None:  # Qwen3's per-head norm (`Attention`): scale [H + KV, hd]
+  if w["qk_norm"] is not None:  # the per-head norm (`Attention`): scale [H + KV, hd]
     qk32 = qk.astype(_F32)
     qk32 = qk32 * jax.lax.rsqrt(jnp.mean(qk32 * qk32, axis=-1, keepdims=True) + config.rms_norm_eps)
-    qk = (qk32 * w["qk_norm"].astype(_F32)[None, None]).astype(qk.dtype)
+    scale = w["qk_norm"].astype(_F32) + (1.0 if config.norm_plus_one else 0.0)
+    qk = (qk32 * scale[None, None]).astype(qk.dtype)
   qk = _apply_rope(qk, rope)  # one pass for q and k
   q, k = qk[:, :, :h], qk[:, :, h:]
   v = qkv[..., (h + kv) * hd:].reshape(b, t, kv, hd)
@@ -521,9 +597,19 @@ def _cached_block(w, config: ModelConfig, x, layer_k, layer_v, rope, mask, slots
   # Advanced indices (rows, slots) lead the indexed shape: [B, T, KV, hd], as k and v are.
   layer_k = layer_k.at[rows, :, slots].set(k.astype(layer_k.dtype), mode="drop")
   layer_v = layer_v.at[rows, :, slots].set(v.astype(layer_v.dtype), mode="drop")
-  out = _cached_attention(q.reshape(b, t, kv, h // kv, hd), layer_k, layer_v, mask,
-                          config.decode_kernel)
-  x = x + jnp.dot(out.reshape(b, t, h * hd), w["o"])
+  # A sliding-window mask is not a prefix of the slots: the CPU kernel (prefix reads) cannot run it.
+  kernel = "xla" if sliding else config.decode_kernel
+  out = _cached_attention(q.reshape(b, t, kv, h // kv, hd), layer_k, layer_v, mask, kernel,
+                          config.attention_scale if config.query_pre_attn_scalar else None)
+  attn = jnp.dot(out.reshape(b, t, h * hd), w["o"])
+  eps, plus_one = config.rms_norm_eps, config.norm_plus_one
+  if w["out_norms"] is not None:  # Gemma: norms after attention and around the MLP
+    x = x + _rms_norm(attn, w["out_norms"][0], eps, plus_one)
+    y = _rms_norm(x, w["post_norm"], eps, plus_one)
+    gate, up = jnp.split(jnp.dot(y, w["gate_up"]), 2, axis=-1)
+    mlp = jnp.dot(_activation(config, gate) * up, w["down"])
+    return x + _rms_norm(mlp, w["out_norms"][1], eps, plus_one), layer_k, layer_v, None
+  x = x + attn
   y = _rms_norm(x, w["post_norm"], config.rms_norm_eps)
   if w["router"] is not None:  # MoE (`MoE`): the same routing and expert math
     weights, experts, _ = _route(jnp.dot(y, w["router"]), config.num_experts_per_tok,
@@ -565,16 +651,21 @@ def cached_forward(params, config: ModelConfig, tokens, cache: KVCache, position
                                                jnp.arange(cache.capacity, dtype=jnp.int32))
   if positions is None:
     positions = query_slots
-  x = jnp.take(params.embed, tokens, axis=0).astype(jnp.dtype(config.dtype))
+  x = _embed(jnp.take(params.embed, tokens, axis=0).astype(jnp.dtype(config.dtype)), config)
   if rope is None:
     rope = rope_tables(positions, config)
+  window = None
+  if config.sliding_window:
+    window = _window(mask, query_slots, jnp.arange(cache.capacity, dtype=jnp.int32),
+                     config.sliding_window)
   new_k, new_v, routing = [], [], []
-  for w, k, v in zip(params.layers, cache.k, cache.v):
-    x, k, v, experts = _cached_block(w, config, x, k, v, rope, mask, query_slots)
+  for w, k, v, sliding in zip(params.layers, cache.k, cache.v, config.sliding_layers):
+    x, k, v, experts = _cached_block(w, config, x, k, v, _layer_rope(rope, config, sliding),
+                                     window if sliding else mask, query_slots, sliding)
     new_k.append(k)
     new_v.append(v)
     routing.append(experts)
-  hidden = _rms_norm(x, params.norm["scale"], config.rms_norm_eps)
+  hidden = _rms_norm(x, params.norm["scale"], config.rms_norm_eps, config.norm_plus_one)
   logits = decode_logits(params, config, hidden) if compute_logits else None
   return DecoderOutput(hidden=hidden, logits=logits,
                        cache=KVCache(k=tuple(new_k), v=tuple(new_v), end=new_end),
