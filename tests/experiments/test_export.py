@@ -1,22 +1,35 @@
 """experiments/export.py on a LoRA run: the merged HF model computes the run's policy, and the
 adapters on the exported base compute the same."""
 
-import importlib.util
+import json
 import pathlib
 import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
 from longhorizon.models import Transformer, checkpoint, lora
+from longhorizon.train.checkpoints import Checkpointer
+from longhorizon.train.learner import Learner
 
 ROOT = pathlib.Path(__file__).parents[2]
-_spec = importlib.util.spec_from_file_location("export_script", ROOT / "experiments" / "export.py")
-export_script = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(export_script)
+
+
+def _restore(workdir):
+  """The run's learner and latest parameters (the script defines absl flags, so it is not imported
+  into the test process: another test module defines --out too)."""
+  config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
+  learner = Learner.build(config)
+  checkpointer = Checkpointer(str(workdir / "checkpoints"))
+  try:
+    state, _ = checkpointer.restore(template=learner.with_reference(learner.initial_state()))
+  finally:
+    checkpointer.close()
+  return learner, jax.device_get(state.params)
 
 
 @pytest.mark.slow
@@ -28,7 +41,7 @@ def test_export_of_a_lora_run(tmp_path):
                   f"--workdir={workdir}"], check=True, capture_output=True, timeout=900)
   subprocess.run([sys.executable, str(ROOT / "experiments" / "export.py"), f"--workdir={workdir}",
                   f"--out={out}"], check=True, capture_output=True, timeout=600)
-  learner, params, _ = export_script.restore_policy(str(workdir))
+  learner, params = _restore(workdir)
   config = learner.model_config
   assert config.lora_rank == 4
   assert any(np.abs(np.asarray(x)).max() > 0 for x in jax.tree.leaves(lora.adapters(params))
