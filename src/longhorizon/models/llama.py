@@ -70,10 +70,9 @@ class DecodeParams:
   lm_head: jax.Array | None  # [D, V] when embeddings are untied
   layers: tuple  # L dicts: input_norm [D], out_norms (Gemma: the norms of the attention and MLP
   #               outputs, 2 x [D], else None), post_norm [D] (before the MLP), qk_norm [H+KV, hd]
-  #               (Qwen3 / Gemma 3, else None), qkv [D, (H+2KV)hd],
-  #               qkv_bias (or None), o [H hd, D], router [D, E] (MoE, else None; then gate_up
-  #               [E, D, 2F] and down [E, F, D] per expert),
-  #               post_norm [D], gate_up [D, 2F], down [F, D]
+  #               (Qwen3 / Gemma 3, else None), qkv [D, (H+2KV)hd], qkv_bias (or None),
+  #               o [H hd, D], gate_up [D, 2F], down [F, D], router (None; for MoE [D, E], and
+  #               then gate_up [E, D, 2F] and down [E, F, D] per expert)
 
 
 @flax.struct.dataclass
