@@ -38,6 +38,9 @@ flags.mark_flags_as_required(["workdir", "out"])
 
 def restore_policy(workdir: str, step: int | None = None):
   """`(learner, params, meta)` of a run's checkpoint."""
+  if not os.path.isfile(os.path.join(workdir, "config.json")):
+    raise app.UsageError(f"--workdir={workdir}: no config.json there; expected a training workdir "
+                         "(experiments/train.py --workdir=...).")
   with open(os.path.join(workdir, "config.json")) as f:
     config = ml_collections.ConfigDict(json.load(f))
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"))

@@ -2,7 +2,8 @@
 # Accelerator readiness check: the GPU test subset, then one table of memory bandwidth, bf16 matmul
 # peak, sampler tokens/s against the bandwidth roofline (SmolLM2-135M- and ~1.2B-shaped decoders,
 # random weights, batch 1 / 16 / 64 / 256) and the RL update's MFU in bf16
-# (experiments/benchmarks/device_check.py). Sized to finish within 8 minutes on one GPU.
+# (experiments/benchmarks/device_check.py). Aimed at 8 minutes on one GPU (the test subset is cut
+# off at 4); not yet timed on one (no GPU has been lent to this project's sessions so far).
 #
 #   bash scripts/device_check.sh          # on a GPU machine whose python has jax[cuda], flax, optax,
 #                                         # orbax, chex and numpy; other small packages are installed

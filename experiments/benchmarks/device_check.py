@@ -125,8 +125,7 @@ def sampler_row(name: str, config: ModelConfig, params, batch: int, prompt: int,
   rule = sampler.SamplingParams(temperature=0.0, max_new_tokens=new)
 
   def setup():
-    cache, last = sampler.prefill(params, config, tokens, lengths, prompt + new)
-    return cache, last
+    return sampler.prefill(params, config, tokens, lengths, prompt + new)  # (cache, last logits)
 
   seconds = _median_seconds(
       lambda cache, last: sampler.decode(params, config, cache, last, None, rule).tokens, setup,

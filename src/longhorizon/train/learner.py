@@ -293,9 +293,8 @@ class Learner:
     if state.ref_params is not None:
       return self.logprobs(state.ref_params, db)
     if self.model_config.lora_rank and self.loss.kl_coef > 0:
-      return _logprobs(lora.base_params(state.params), db,
-                       config=lora.base_config(self.model_config),
-                       temperature=self.rollout.temperature, chunk_size=self.loss.chunk_size)
+      return self.logprobs(lora.base_params(state.params), db,
+                           config=lora.base_config(self.model_config))
     return None
 
   # ---------------------------------------------------------------------------------- episodes
@@ -324,10 +323,11 @@ class Learner:
           policy_version=update if policy_version is None else policy_version,
           task_seed=c.tasks.seed, group_offset=update * n, **extra)
 
-  def logprobs(self, params, batch, *, temperature: float | None = None):
-    """`[B, L]` token log-probs of `batch` under `params` (at the rollout temperature)."""
+  def logprobs(self, params, batch, *, temperature: float | None = None, config=None):
+    """`[B, L]` token log-probs of `batch` under `params` (at the rollout temperature), with the
+    run's model config or `config` (e.g. `lora.base_config` for the adapters-off reference)."""
     t = self.rollout.temperature if temperature is None else temperature
-    return _logprobs(params, batch, config=self.model_config, temperature=t,
+    return _logprobs(params, batch, config=config or self.model_config, temperature=t,
                      chunk_size=self.loss.chunk_size)
 
   # ---------------------------------------------------------------------------------- learning
