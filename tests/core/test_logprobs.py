@@ -238,6 +238,27 @@ def test_from_hidden_entropy_and_temperature(seed, chunk_size):
     np.testing.assert_allclose(ent, ref_entropy(logits, temperature), rtol=1e-5, atol=1e-5)
 
 
+def test_from_hidden_softcap_by_hand():
+  # Gemma 2 caps logits at c * tanh(l / c). With c = 1, logits [0, 0, ln 2] become [0, 0, t],
+  # t = tanh(ln 2) = (2 - 1/2) / (2 + 1/2) = 0.6: log p(2) = 0.6 - ln(2 + e^0.6) = -0.7645007.
+  hidden = np.array([[[1.0, 0.0]]], np.float32)
+  w = np.array([[0.0, 0.0, math.log(2.0)], [5.0, -3.0, 1.0]], np.float32)
+  logp = lp.token_logprobs_from_hidden(hidden, w, np.array([[2]], np.int32), chunk_size=2,
+                                       softcap=1.0)
+  np.testing.assert_allclose(logp, [[0.6 - math.log(2.0 + math.exp(0.6))]], atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk_size", [7, 300])
+def test_from_hidden_softcap_and_temperature_match_reference(chunk_size):
+  hidden, w_dv, targets = random_case(3, b=2, t=4, v=250, d=16)
+  capped = 2.0 * np.tanh(ref_logits_from_hidden(hidden, w_dv) / 2.0)  # the cap binds: |l| up to ~10
+  assert np.abs(ref_logits_from_hidden(hidden, w_dv)).max() > 4.0
+  logp, ent = lp.token_logprobs_from_hidden(hidden, w_dv, targets, chunk_size=chunk_size,
+                                            temperature=0.7, return_entropy=True, softcap=2.0)
+  np.testing.assert_allclose(logp, ref_token_logprobs(capped, targets, 0.7), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(ent, ref_entropy(capped, 0.7), rtol=1e-5, atol=1e-5)
+
+
 def test_from_hidden_accepts_numpy_and_jax():
   hidden, w_dv, targets = random_case(8)
   from_np = lp.token_logprobs_from_hidden(hidden, w_dv, targets, chunk_size=8)

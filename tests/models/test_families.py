@@ -130,3 +130,22 @@ def test_configs_differing_in_decode_kernel_are_distinct_static_arguments():
   base = models.tiny_config()
   assert base == models.tiny_config() and hash(base) == hash(models.tiny_config())
   assert base != base.replace(decode_kernel="xla") != base.replace(decode_kernel="cpu")
+
+
+def test_gemma2_config_round_trips_and_soft_capping_is_validated():
+  """Gemma 2 from a HF config.json: its caps, alternating sliding layers (transformers' default
+  when `layer_types` is absent) and one RoPE base; `to_hf` writes them back."""
+  hf = dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", vocab_size=97,
+            hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+            attn_logit_softcapping=50.0, final_logit_softcapping=30.0, rope_theta=1e4)
+  config = ModelConfig.from_hf(hf)
+  assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (50.0, 30.0)
+  assert config.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+  assert config.rope_local_theta == 0.0 and not config.qk_norm and config.norm_plus_one
+  again = ModelConfig.from_hf(config.to_hf())
+  assert again == config
+  with pytest.raises(ValueError, match="soft-capping is Gemma 2's.*'llama'"):
+    models.tiny_config(final_logit_softcapping=30.0)
+  with pytest.raises(ValueError, match="not supported for gemma3_text"):
+    ModelConfig.from_hf(dict(hf, architectures=["Gemma3ForCausalLM"], model_type="gemma3_text"))

@@ -29,6 +29,12 @@ _FAMILIES = {
                                          num_experts=4, num_experts_per_tok=2,
                                          moe_intermediate_size=32, norm_topk_prob=True,
                                          router_aux_loss_coef=0.01)),
+    # Soft-capping small enough to bind on a random model (its logits reach ~0.5, its scaled
+    # attention scores ~1 once q/k are scaled up in `_hf_model`); 5 layers, sliding and full alternating (transformers' default).
+    "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=4, query_pre_attn_scalar=24,
+                                    attn_logit_softcapping=0.5, final_logit_softcapping=0.3,
+                                    rope_parameters={"rope_type": "default",
+                                                     "rope_theta": 1e4})),
     # 5 layers: 3 sliding-window (window 4, shorter than the test sequences) and 2 full.
     "gemma3_text": ("Gemma3TextConfig", dict(head_dim=16, sliding_window=4,
                                              query_pre_attn_scalar=24, layer_types=[
@@ -47,7 +53,7 @@ def _hf_model(name, seed=0):
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
   config_class, extra = _FAMILIES[name]
-  small = dict(_SMALL, num_hidden_layers=5) if name == "gemma3_text" else _SMALL
+  small = dict(_SMALL, num_hidden_layers=5) if name.startswith("gemma") else _SMALL
   config = getattr(transformers, config_class)(**small, **extra)
   torch.manual_seed(seed)
   model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
@@ -55,6 +61,8 @@ def _hf_model(name, seed=0):
     for pname, p in model.named_parameters():
       if "norm" in pname:
         p.add_(0.3 * torch.randn_like(p))
+      if name == "gemma2" and pname.endswith(("q_proj.weight", "k_proj.weight")):
+        p.mul_(8.0)  # scaled attention scores of order 1, so the attention cap binds
   return model
 
 
@@ -129,3 +137,16 @@ def test_moe_routing_and_load_balancing_loss_match_transformers(tmp_path):
     got = np.asarray(ours.routing[:, :, layer])
     np.testing.assert_array_equal(np.sort(got, -1)[mask], np.sort(want, -1)[mask])
   np.testing.assert_allclose(float(ours.aux_loss), float(ref.aux_loss), rtol=1e-5)
+
+
+def test_gemma2_soft_capping_binds(tmp_path):
+  """Each of Gemma 2's caps changes these logits: dropping either one breaks the parity above."""
+  model = _hf_model("gemma2")
+  model.save_pretrained(str(tmp_path / "hf"), safe_serialization=True)
+  config, params, _ = checkpoint.load(tmp_path / "hf")
+  assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (0.5, 0.3)
+  tokens = jnp.asarray(_tokens())
+  want = _torch_logits(model, np.asarray(tokens))
+  for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+    ours = Transformer(config.replace(**{cap: 0.0})).apply({"params": params}, tokens).logits
+    assert np.abs(np.asarray(ours) - want).max() > 1e-2, cap

@@ -97,14 +97,16 @@ def _unembed_as_dv(unembed: jax.Array, d: int, vocab_axis: int | None) -> jax.Ar
   return unembed if vocab_axis == 1 else unembed.T
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_size", "return_entropy", "vocab_axis"))
+@functools.partial(jax.jit, static_argnames=("chunk_size", "return_entropy", "vocab_axis",
+                                             "softcap"))
 def token_logprobs_from_hidden(hidden: chex.Array,
                                unembed: chex.Array,
                                targets: chex.Array,
                                chunk_size: int = 4096,
                                temperature=1.0,
                                return_entropy: bool = False,
-                               vocab_axis: int | None = None):
+                               vocab_axis: int | None = None,
+                               softcap: float = 0.0):
   """Token log-probs (and optionally entropies) straight from the last hidden state.
 
   Equal to `token_logprobs(hidden @ unembed, targets)` but never materialises the `[B, T, V]` logits:
@@ -122,6 +124,8 @@ def token_logprobs_from_hidden(hidden: chex.Array,
     chunk_size: vocabulary columns per scan step (static); `V` need not be a multiple of it.
     temperature: scalar > 0 dividing the logits.
     return_entropy: also return the `[B, T]` entropies.
+    softcap: static; when > 0 the logits are first soft-capped, `softcap * tanh(l / softcap)`
+      (Gemma 2's final-logit capping), then divided by the temperature.
 
   Returns:
     `[B, T]` float32 log-probs, or `(logprobs, entropy)` when `return_entropy`.
@@ -149,7 +153,10 @@ def token_logprobs_from_hidden(hidden: chex.Array,
   def body(carry, xs):
     m, s, u, target_logit = carry
     w_c, c = xs
-    logits = jnp.dot(h, w_c, preferred_element_type=jnp.float32) * inv_temp  # [N, chunk]
+    logits = jnp.dot(h, w_c, preferred_element_type=jnp.float32)  # [N, chunk]
+    if softcap:
+      logits = softcap * jnp.tanh(logits / softcap)
+    logits = logits * inv_temp
     cols = c * chunk + jnp.arange(chunk)
     # Padding columns get a huge finite negative logit (not -inf, whose 0 * -inf products poison the
     # backward pass); every chunk holds at least one real column, so they never set the max.

@@ -1,5 +1,5 @@
 """`ModelConfig`: the architecture of a decoder (the Llama family: Llama 2/3.x, SmolLM2, Qwen2/2.5, Qwen3,
-Qwen3-MoE and Gemma 3, each a set of fields on one config).
+Qwen3-MoE, Gemma 2 and Gemma 3, each a set of fields on one config).
 
 Field names follow HuggingFace `config.json` where one exists, so `from_hf` / `to_hf` are near
 identities and a reader of either file recognises every entry. `family` names the implementation
@@ -22,6 +22,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
 }
 
@@ -31,11 +32,17 @@ MODEL_TYPE_FAMILY = {
     "qwen2": "llama",  # Llama with q/k/v biases and untied embeddings
     "qwen3": "llama",  # Llama with a per-head RMSNorm on queries and keys (`qk_norm`), no biases
     "qwen3_moe": "llama",  # Qwen3 with sparse mixture-of-experts MLPs (`num_experts`)
+    "gemma2": "llama",  # Gemma 2: Gemma 3's norms and layout without q/k norm, one RoPE base, and
+    #                     tanh soft-capping of attention scores and final logits
     "gemma3_text": "llama",  # Gemma 3: (1 + w) norms around attention and MLP, GELU, scaled
     #                          embeddings, q/k norm, sliding-window layers with their own RoPE base
 }
 
-# Gemma 3's per-layer attention kinds (`ModelConfig.layer_types`, HF `layer_types`).
+# The Gemma model types: (1 + w) sandwich norms, scaled embeddings, sliding-window layers.
+GEMMA_TYPES = ("gemma2", "gemma3_text")
+# The model types with a per-head RMSNorm on queries and keys (`ModelConfig.qk_norm`).
+QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")
+# Gemma's per-layer attention kinds (`ModelConfig.layer_types`, HF `layer_types`).
 LAYER_TYPES = ("full_attention", "sliding_attention")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 
@@ -84,11 +91,12 @@ class ModelConfig:
   moe_intermediate_size: int = 0
   norm_topk_prob: bool = False
   router_aux_loss_coef: float = 0.0
-  # Gemma 3 (model_type "gemma3_text"): RMSNorm scales by (1 + w) (`norm_plus_one`); extra norms
-  # after attention and around the MLP (`sandwich_norms`); `hidden_act`; embeddings times
-  # sqrt(hidden_size); attention scaled by query_pre_attn_scalar^-0.5 (0: head_dim^-0.5);
-  # `layer_types[l]` "sliding_attention" layers see the last `sliding_window` positions and rotate
-  # with `rope_local_theta`.
+  # Gemma 2 / 3 (model_type "gemma2", "gemma3_text"): RMSNorm scales by (1 + w) (`norm_plus_one`);
+  # extra norms after attention and around the MLP (`sandwich_norms`); `hidden_act`; embeddings
+  # times sqrt(hidden_size); attention scaled by query_pre_attn_scalar^-0.5 (0: head_dim^-0.5);
+  # `layer_types[l]` "sliding_attention" layers see the last `sliding_window` positions and (Gemma 3)
+  # rotate with `rope_local_theta`. Gemma 2 soft-caps (`cap * tanh(x / cap)`, 0 = off) the scaled
+  # attention scores and the final logits (before any sampling temperature).
   norm_plus_one: bool = False
   sandwich_norms: bool = False
   hidden_act: str = "silu"
@@ -97,6 +105,8 @@ class ModelConfig:
   sliding_window: int = 0
   layer_types: tuple = ()
   rope_local_theta: float = 0.0
+  attn_logit_softcapping: float = 0.0
+  final_logit_softcapping: float = 0.0
   max_position_embeddings: int = 8192
   model_type: str = "llama"  # "llama", "qwen2" or "qwen3" (HF naming on save)
   # Numerics: parameters are stored in `param_dtype`; matmuls run in `dtype`; norms, softmax, logits and
@@ -136,7 +146,7 @@ class ModelConfig:
     if not isinstance(self.family, str) or not self.family:
       raise ValueError(f"family must be a registered model family name (e.g. 'llama'), got "
                        f"{self.family!r}.")
-    if self.qk_norm != (self.model_type in ("qwen3", "qwen3_moe", "gemma3_text")):
+    if self.qk_norm != (self.model_type in QK_NORM_TYPES):
       raise ValueError(f"qk_norm={self.qk_norm} with model_type={self.model_type!r}: the per-head "
                        f"query/key norm is on exactly for model_type 'qwen3', 'qwen3_moe' and "
                        f"'gemma3_text'.")
@@ -167,12 +177,17 @@ class ModelConfig:
 
   def _check_gemma(self):
     object.__setattr__(self, "layer_types", tuple(self.layer_types))
-    gemma = self.model_type == "gemma3_text"
+    gemma = self.model_type in GEMMA_TYPES
     flags = (self.norm_plus_one, self.sandwich_norms, self.scale_embeddings)
     if any(f != gemma for f in flags):
-      raise ValueError(f"norm_plus_one, sandwich_norms and scale_embeddings are Gemma 3's: on "
-                       f"exactly for model_type='gemma3_text' (got {flags} for "
+      raise ValueError(f"norm_plus_one, sandwich_norms and scale_embeddings are Gemma's: on "
+                       f"exactly for model_type in {GEMMA_TYPES} (got {flags} for "
                        f"{self.model_type!r}).")
+    caps = (self.attn_logit_softcapping, self.final_logit_softcapping)
+    if any(c < 0 for c in caps) or (any(caps) and self.model_type != "gemma2"):
+      raise ValueError(f"attn_logit_softcapping, final_logit_softcapping = {caps}: soft-capping "
+                       f"is Gemma 2's (model_type='gemma2'), each >= 0 (0 = off); got "
+                       f"model_type={self.model_type!r}.")
     if self.hidden_act not in HIDDEN_ACTS:
       raise ValueError(f"hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}.")
     if self.layer_types and (len(self.layer_types) != self.num_hidden_layers
@@ -262,9 +277,9 @@ class ModelConfig:
         rope_theta=float(rope_theta),
         rope_scaling=rope_scaling,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5 if model_type == "llama" else 1e-6)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", model_type in ("llama", "gemma3_text"))),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", model_type in ("llama", *GEMMA_TYPES))),
         attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
-        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+        qk_norm=model_type in QK_NORM_TYPES,
         **_moe_fields(hf, model_type),
         **gemma,
         max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
@@ -294,18 +309,9 @@ class ModelConfig:
     }
     if self.model_type in ("llama", "qwen3", "qwen3_moe"):
       out["attention_bias"] = self.attention_bias
-    if self.model_type == "gemma3_text":
-      del out["hidden_act"]
-      scalar = self.query_pre_attn_scalar  # transformers' config wants an int when it is one
-      out.update(hidden_activation=self.hidden_act,
-                 query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
-                 sliding_window=self.sliding_window, layer_types=list(self.layer_types),
-                 rope_parameters={
-                     "full_attention": {"rope_type": "default", "rope_theta": self.rope_theta},
-                     "sliding_attention": {"rope_type": "default",
-                                           "rope_theta": self.rope_local_theta}},
-                 final_logit_softcapping=None, attn_logit_softcapping=None)
-      del out["rope_theta"]
+    if self.model_type in GEMMA_TYPES:
+      out.update(_gemma_hf(self))
+      del out["hidden_act"], out["rope_theta"]
     if self.num_experts:
       out.update(num_experts=self.num_experts, num_local_experts=self.num_experts,
                  num_experts_per_tok=self.num_experts_per_tok,
@@ -320,25 +326,55 @@ class ModelConfig:
 
 
 def _gemma_fields(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
-  """Gemma 3's fields of a HF `config.json` (RoPE bases per layer kind: transformers >= 5 nests
-  them under `rope_parameters`, older files have `rope_theta` / `rope_local_base_freq`)."""
-  if model_type != "gemma3_text":
+  """Gemma 2 / 3's fields of a HF `config.json`. Gemma 3 has a RoPE base per layer kind
+  (transformers >= 5 nests them under `rope_parameters`, older files have `rope_theta` /
+  `rope_local_base_freq`); Gemma 2 one base and its soft-capping. Gemma 2 files without
+  `layer_types` alternate sliding and full layers, starting with a sliding one (transformers')."""
+  if model_type not in GEMMA_TYPES:
     return {}
+  rope = hf.get("rope_parameters") or {}
+  fields = dict(norm_plus_one=True, sandwich_norms=True, scale_embeddings=True,
+                hidden_act=hf.get("hidden_activation", "gelu_pytorch_tanh"),
+                query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+                sliding_window=int(hf.get("sliding_window") or 0),
+                layer_types=tuple(hf.get("layer_types") or ()))
+  if model_type == "gemma2":
+    if rope.get("rope_type", "default") != "default":
+      raise ValueError(f"gemma2 rope_type {rope['rope_type']!r} is not supported.")
+    layers = int(hf["num_hidden_layers"])
+    if not fields["layer_types"] and fields["sliding_window"]:
+      fields["layer_types"] = tuple("sliding_attention" if i % 2 == 0 else "full_attention"
+                                    for i in range(layers))
+    return dict(fields, rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 1e4))),
+                attn_logit_softcapping=float(hf.get("attn_logit_softcapping") or 0.0),
+                final_logit_softcapping=float(hf.get("final_logit_softcapping") or 0.0))
   for key in ("final_logit_softcapping", "attn_logit_softcapping"):
     if hf.get(key):
-      raise ValueError(f"{key}={hf[key]} is not supported (Gemma 2's soft-capping).")
-  rope = hf.get("rope_parameters") or {}
+      raise ValueError(f"{key}={hf[key]} is not supported for gemma3_text (Gemma 2's "
+                       f"soft-capping; use model_type 'gemma2').")
   local = (rope.get("sliding_attention") or {}).get("rope_theta", hf.get("rope_local_base_freq"))
   full = (rope.get("full_attention") or {}).get("rope_theta", hf.get("rope_theta", 1e6))
   for kind in ("full_attention", "sliding_attention"):
     if (rope.get(kind) or {}).get("rope_type", "default") != "default":
       raise ValueError(f"gemma3 rope_type {rope[kind]['rope_type']!r} ({kind}) is not supported.")
-  return dict(norm_plus_one=True, sandwich_norms=True, scale_embeddings=True,
-              hidden_act=hf.get("hidden_activation", "gelu_pytorch_tanh"),
-              query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
-              sliding_window=int(hf.get("sliding_window") or 0),
-              layer_types=tuple(hf.get("layer_types") or ()), rope_theta=float(full),
-              rope_local_theta=float(local or 10000.0))
+  return dict(fields, rope_theta=float(full), rope_local_theta=float(local or 10000.0))
+
+
+def _gemma_hf(config: ModelConfig) -> dict[str, Any]:
+  """The Gemma 2 / 3 entries of `config.to_hf()`."""
+  scalar = config.query_pre_attn_scalar  # transformers' config wants an int when it is one
+  caps = [c or None for c in (config.attn_logit_softcapping, config.final_logit_softcapping)]
+  out = dict(hidden_activation=config.hidden_act,
+             query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
+             sliding_window=config.sliding_window, layer_types=list(config.layer_types),
+             attn_logit_softcapping=caps[0], final_logit_softcapping=caps[1])
+  if config.model_type == "gemma2":
+    out["rope_parameters"] = {"rope_type": "default", "rope_theta": config.rope_theta}
+  else:
+    out["rope_parameters"] = {
+        "full_attention": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "sliding_attention": {"rope_type": "default", "rope_theta": config.rope_local_theta}}
+  return out
 
 
 def _moe_fields(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:

@@ -273,6 +273,11 @@ def _rms_norm(x, scale, eps, plus_one: bool = False):
   return (y * scale.reshape((1,) * (y.ndim - 1) + (-1,))).astype(x.dtype)
 
 
+def softcap(x, cap: float):
+  """Gemma 2's soft-capping `cap * tanh(x / cap)` (identity when `cap` is 0)."""
+  return cap * jnp.tanh(x / cap) if cap else x
+
+
 def _activation(cfg: ModelConfig, x):
   if cfg.hidden_act == "gelu_pytorch_tanh":
     return jax.nn.gelu(x, approximate=True)
@@ -303,6 +308,7 @@ class Attention(nn.Module):
       scores = scores * cfg.attention_scale
     else:
       scores = scores / math.sqrt(hd)
+    scores = softcap(scores, cfg.attn_logit_softcapping)
     scores = jnp.where(mask[:, None, None, :, :], scores, -1e30)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("bkgts,bksd->btkgd", probs, values).reshape(b, t, h * hd)
@@ -494,11 +500,12 @@ class Transformer(nn.Module):
 
   def logits(self, hidden):
     """float32 `[..., V]` logits of final-normed hidden states."""
+    cap = self.config.final_logit_softcapping
     if self.config.tie_word_embeddings:
       table = self.embed_tokens.embedding
-      return jnp.einsum("...d,vd->...v", hidden, table.astype(hidden.dtype),
-                        preferred_element_type=_F32)
-    return self.lm_head(hidden).astype(_F32)
+      return softcap(jnp.einsum("...d,vd->...v", hidden, table.astype(hidden.dtype),
+                                preferred_element_type=_F32), cap)
+    return softcap(self.lm_head(hidden).astype(_F32), cap)
 
 
 def load_balancing_loss(experts, probs, real, num_experts: int):
@@ -517,10 +524,12 @@ def load_balancing_loss(experts, probs, real, num_experts: int):
 def decode_logits(params: DecodeParams, config: ModelConfig, hidden):
   """float32 `[..., V]` logits of final-normed hidden states, from `DecodeParams`."""
   if config.tie_word_embeddings:
-    return jnp.einsum("...d,vd->...v", hidden, params.embed.astype(hidden.dtype),
-                      preferred_element_type=_F32)
-  return jnp.einsum("...d,dv->...v", hidden, params.lm_head.astype(hidden.dtype),
-                    preferred_element_type=_F32)
+    logits = jnp.einsum("...d,vd->...v", hidden, params.embed.astype(hidden.dtype),
+                        preferred_element_type=_F32)
+  else:
+    logits = jnp.einsum("...d,dv->...v", hidden, params.lm_head.astype(hidden.dtype),
+                        preferred_element_type=_F32)
+  return softcap(logits, config.final_logit_softcapping)
 
 
 def _xla_step_attention(q1, layer_k, layer_v, mask, _=None):
@@ -548,7 +557,8 @@ def _decode_step_attention(q1, layer_k, layer_v, mask, decode_kernel: str):
       cpu=lambda q1, k, v, _, n: cpu_kernels.decode_attention(q1, k, v, n))
 
 
-def _cached_attention(q, layer_k, layer_v, mask, decode_kernel: str, scale: float | None = None):
+def _cached_attention(q, layer_k, layer_v, mask, decode_kernel: str, scale: float | None = None,
+                      cap: float = 0.0):
   """Grouped-query attention of new queries against a cache.
 
   q: `[B, T, KV, G, hd]`; layer_k, layer_v: `[B, KV, S, hd]`; mask `[B, T, S]`, for a decode step
@@ -558,14 +568,15 @@ def _cached_attention(q, layer_k, layer_v, mask, decode_kernel: str, scale: floa
   A decode step runs, as `decode_kernel` (`ModelConfig.decode_kernel`) chooses, the CPU kernel
   `cpu_kernels.decode_attention`: it reads each row's visible prefix only, where XLA reads all `S`
   slots of every layer every step (the sampler's largest cost after the matmuls at batch 64). Longer
-  appends (prefill, observations) run einsums.
+  appends (prefill, observations) and soft-capped scores (`cap`, Gemma 2) run einsums.
   """
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-  if q.shape[1] == 1:
+  if q.shape[1] == 1 and not cap:
     q1 = q[:, 0].astype(_F32) * scale  # [B, KV, G, hd]
     out = _decode_step_attention(q1, layer_k, layer_v, mask, decode_kernel)
     return out[:, None].astype(q.dtype)
-  scores = jnp.einsum("btkgd,bksd->bkgts", q.astype(_F32), layer_k.astype(_F32)) * scale
+  scores = softcap(jnp.einsum("btkgd,bksd->bkgts", q.astype(_F32), layer_k.astype(_F32)) * scale,
+                   cap)
   scores = jnp.where(mask[:, None, None, :, :], scores, -1e30)
   probs = jax.nn.softmax(scores, axis=-1)
   out = jnp.einsum("bkgts,bksd->bkgtd", probs, layer_v.astype(_F32))
@@ -599,7 +610,8 @@ def _cached_block(w, config: ModelConfig, x, layer_k, layer_v, rope, mask, slots
   # A sliding-window mask is not a prefix of the slots: the CPU kernel (prefix reads) cannot run it.
   kernel = "xla" if sliding else config.decode_kernel
   out = _cached_attention(q.reshape(b, t, kv, h // kv, hd), layer_k, layer_v, mask, kernel,
-                          config.attention_scale if config.query_pre_attn_scalar else None)
+                          config.attention_scale if config.query_pre_attn_scalar else None,
+                          config.attn_logit_softcapping)
   attn = jnp.dot(out.reshape(b, t, h * hd), w["o"])
   eps, plus_one = config.rms_norm_eps, config.norm_plus_one
   if w["out_norms"] is not None:  # Gemma: norms after attention and around the MLP

@@ -92,7 +92,8 @@ def episode_logprobs(params, config: ModelConfig, batch, *, temperature=1.0, chu
   res = lp.token_logprobs_from_hidden(out.hidden[:, :-1], unembedding(params, config),
                                       tokens[:, 1:], chunk_size=min(chunk_size, config.vocab_size),
                                       temperature=temperature, return_entropy=return_entropy,
-                                      vocab_axis=0 if config.tie_word_embeddings else 1)
+                                      vocab_axis=0 if config.tie_word_embeddings else 1,
+                                      softcap=config.final_logit_softcapping)
   pad = lambda x: jnp.pad(x, ((0, 0), (1, 0)))
   if return_entropy:
     return pad(res[0]), pad(res[1])
