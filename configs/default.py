@@ -69,6 +69,17 @@ def get_config(arg=None):
   config.model.lora.targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                "down_proj")
   config.model.lora.dropout = 0.0
+  # Mixture of experts. A fresh decoder with num_experts > 0 is a Qwen3-MoE (q/k norm, top-k routing
+  # with renormalised weights); a checkpoint brings its own experts. `replay`: the learner routes
+  # each token to the experts the sampler used (R3, recorded in EpisodeBatch.routing) instead of
+  # recomputing them; aux_loss_coef weighs the load-balancing loss in the RL loss (fresh decoders;
+  # a checkpoint's router_aux_loss_coef is its own).
+  config.model.moe = ml_collections.ConfigDict()
+  config.model.moe.num_experts = 0
+  config.model.moe.experts_per_token = 2
+  config.model.moe.intermediate_size = 64
+  config.model.moe.aux_loss_coef = 0.01
+  config.model.moe.replay = True
 
   # Rollouts: every field and its default in `longhorizon.train.options.RolloutOptions` (sync or
   # async; tasks per update, rollouts per task, context and turn budgets, sampling, staleness).

@@ -73,9 +73,20 @@ def test_trainable_excludes_env_error_rows():
 def test_is_a_pytree_usable_under_jit():
   batch = episode.to_device(_two_episodes())
   leaves = jax.tree_util.tree_leaves(batch)
-  assert len(leaves) == len(dataclasses.fields(EpisodeBatch)) - 1 + 1  # components dict has one leaf
+  # The components dict has one leaf here; `routing` (None for a dense policy) has none.
+  assert len(leaves) == len(dataclasses.fields(EpisodeBatch)) - 2 + 1
   total = jax.jit(lambda b: jnp.sum(b.loss_mask) + b.reward_components["success"].sum())(batch)
   assert float(total) == 6.0 + 1.0
+
+
+def test_routing_is_checked_trimmed_and_sliced_with_the_tokens():
+  batch = _two_episodes()
+  routing = np.arange(2 * 8 * 3 * 2, dtype=np.int32).reshape(2, 8, 3, 2)
+  with_routing = batch.replace(routing=routing).validate()
+  cut = episode.trim(with_routing, episode.used_length(batch))
+  np.testing.assert_array_equal(cut.routing, routing[:, :cut.tokens.shape[1]])
+  with pytest.raises(ValueError, match=r"routing: expected shape \[B, L, layers, k\]"):
+    batch.replace(routing=routing[:, :5]).validate()
 
 
 @pytest.mark.parametrize("field, value, message", [

@@ -393,6 +393,43 @@ print("DIFF", diff, "SHARD", per_device, host["embed_tokens"]["embedding"].size)
 """
 
 
+_SHARDED_MOE_SCRIPT = r"""
+import jax, jax.numpy as jnp, numpy as np
+from longhorizon import models
+from longhorizon.models import sharding
+config = models.tiny_config(vocab_size=96, model_type="qwen3_moe", qk_norm=True, num_experts=4,
+                            num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+module = models.Transformer(config)
+mesh = sharding.make_mesh(2, 2, 2)
+params = sharding.init_sharded_params(module, jnp.zeros((1, 1), jnp.int32), jax.random.key(0), mesh)
+mlp = params["layers"]["mlp"]
+assert tuple(mlp["gate_proj"].sharding.spec) == (None, "tensor", "fsdp", None), mlp["gate_proj"].sharding
+assert tuple(mlp["down_proj"].sharding.spec) == (None, "tensor", None, "fsdp")
+assert tuple(mlp["gate"]["kernel"].sharding.spec) == (None, "fsdp", "tensor")
+assert mlp["gate_proj"].addressable_shards[0].data.shape[1] == 2  # 4 experts over tensor (2)
+host = jax.device_get(params)
+tokens = np.random.default_rng(0).integers(0, 96, (4, 12)).astype(np.int32)
+ref = module.apply({"params": host}, tokens)
+fwd = jax.jit(lambda p, t: module.apply({"params": p}, t))
+out = sharding.with_rules(lambda: fwd(params, jax.device_put(tokens, sharding.batch_sharding(mesh))),
+                          mesh)
+np.testing.assert_array_equal(np.asarray(out.routing), np.asarray(ref.routing))
+print("DIFF", float(jnp.max(jnp.abs(out.logits - ref.logits))), float(out.aux_loss - ref.aux_loss))
+"""
+
+
+@pytest.mark.slow
+def test_moe_experts_shard_over_the_tensor_axis():
+  """The "experts" rule: expert stacks split over the tensor axis (each device holds whole
+  experts), the router over (fsdp, tensor); the sharded forward equals one device's."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  result = subprocess.run([sys.executable, "-c", _SHARDED_MOE_SCRIPT], capture_output=True,
+                          text=True, env=env, timeout=300, cwd=pathlib.Path(__file__).parents[2])
+  assert result.returncode == 0, result.stderr[-3000:]
+  line = [l for l in result.stdout.splitlines() if l.startswith("DIFF")][0].split()
+  assert float(line[1]) < 1e-5 and abs(float(line[2])) < 1e-5
+
+
 @pytest.mark.slow
 def test_sharded_forward_equals_single_device():
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")

@@ -96,6 +96,21 @@ def test_config_check_refuses_fixed_fields_with_the_diff_and_records_allowed_one
   assert not (tmp_path / "config.5.json").exists()
 
 
+def test_fields_added_since_a_run_started_resume_at_their_old_behaviour(tmp_path):
+  """A workdir saved before `model.moe` existed resumes with the defaults (a dense model), and is
+  refused when the new field asks for something the old run did not do."""
+  work = str(tmp_path)
+  workdir_lib.save_config(work, _config(), 0)
+  saved = json.loads((tmp_path / "config.json").read_text())
+  del saved["model"]["moe"], saved["model"]["lora"]
+  (tmp_path / "config.json").write_text(json.dumps(saved))
+  changes = workdir_lib.check_config(work, _config(), resuming=True)
+  assert changes["model.moe.num_experts"] == ("<missing>", 0)
+  assert set(changes) == set(workdir_lib.ADDED_FIELDS)
+  with pytest.raises(workdir_lib.ConfigMismatchError, match=r"model.moe.num_experts: '<missing>'"):
+    workdir_lib.check_config(work, _config(**{"model.moe.num_experts": 4}), resuming=True)
+
+
 def test_unreadable_saved_config_is_named(tmp_path):
   (tmp_path / "config.json").write_text("{not json")
   with pytest.raises(workdir_lib.ConfigMismatchError, match="config.json cannot be read"):

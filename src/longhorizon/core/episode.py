@@ -88,6 +88,9 @@ class EpisodeBatch:
   task_seed: Any = _array("B", np.uint32)  # task-generation seed
   sampling_seed: Any = _array("B", np.uint32)  # policy-sampling seed
   reward_components: Mapping[str, Any] = flax.struct.field(default_factory=dict)  # name -> [B] float32
+  # Mixture-of-experts policies: `[B, L, layers, k]` int32, the experts the sampler routed each token
+  # to (0 on padding); the learner replays them (routing replay, R3). None otherwise.
+  routing: Any = None
 
   @property
   def batch_size(self) -> int:
@@ -136,6 +139,10 @@ class EpisodeBatch:
       values = fields[name]
       if values.dtype.kind != "b" and not np.isin(values, (0, 1)).all():
         raise ValueError(f"EpisodeBatch.{name}: expected 0/1 values, got {np.unique(values)[:8]}.")
+    if self.routing is not None and (np.ndim(self.routing) != 4
+                                     or np.shape(self.routing)[:2] != (b, dims["L"])):
+      raise ValueError(f"EpisodeBatch.routing: expected shape [B, L, layers, k] with [B, L]="
+                       f"({b}, {dims['L']}), got {np.shape(self.routing)}.")
     loss_mask, attention = fields["loss_mask"] != 0, fields["attention_mask"] != 0
     turn, step_mask = fields["turn"], fields["step_mask"] != 0
     _check(not (loss_mask & ~attention).any(), "loss_mask", "is 1 on padding (attention_mask 0)")
@@ -225,8 +232,10 @@ def trim(batch: EpisodeBatch, length: int) -> EpisodeBatch:
                      f"positions).")
   if length >= np.shape(batch.tokens)[1]:
     return batch
-  return batch.replace(**{name: getattr(batch, name)[:, :length]
-                          for name, spec in _SCHEMA.items() if "L" in spec.dims})
+  cut = {name: getattr(batch, name)[:, :length] for name, spec in _SCHEMA.items() if "L" in spec.dims}
+  if batch.routing is not None:
+    cut["routing"] = batch.routing[:, :length]
+  return batch.replace(**cut)
 
 
 def empty(batch_size: int, context_length: int, max_steps: int) -> EpisodeBatch:

@@ -26,6 +26,9 @@ __all__ = ["ModelFamily", "DecodeCache", "register_family", "family", "registere
 class DecodeCache(Protocol):
   """What the sampler reads of a family's KV cache (a pytree, e.g. `llama.KVCache`)."""
   end: jax.Array  # [B] int32: filled slots per row (the next write slot)
+  # Mixture-of-experts families: `[B, S, L, k]` int32 experts of each slot's token (routing
+  # replay); None for dense ones. `collect` copies it into `EpisodeBatch.routing`.
+  routing: Any
 
   @property
   def capacity(self) -> int:  # S, slots per row

@@ -51,6 +51,10 @@ class KVCache:
   k: tuple  # L x [B, KV, S, hd] compute dtype
   v: tuple  # L x [B, KV, S, hd] compute dtype
   end: jax.Array  # [B] int32: number of filled slots (next write slot) per row
+  # Mixture of experts only (else None): `[B, S, L, k]` int32, the experts each slot's token was
+  # routed to in every layer, written with its keys and values (routing replay, R3: the episode's
+  # record of which experts the rollout used, prompt and observations included).
+  routing: jax.Array | None = None
 
   @property
   def capacity(self) -> int:
@@ -89,9 +93,12 @@ def init_cache(config: ModelConfig, batch_size: int, capacity: int) -> KVCache:
   """An empty cache of `capacity` slots per row."""
   b, kv, hd, layers = batch_size, config.num_key_value_heads, config.dims_per_head, config.num_hidden_layers
   dtype = jnp.dtype(config.dtype)
+  routing = None
+  if config.num_experts:
+    routing = jnp.zeros((b, capacity, layers, config.num_experts_per_tok), jnp.int32)
   return KVCache(k=tuple(jnp.zeros((b, kv, capacity, hd), dtype) for _ in range(layers)),
                  v=tuple(jnp.zeros((b, kv, capacity, hd), dtype) for _ in range(layers)),
-                 end=jnp.zeros((b,), jnp.int32))
+                 end=jnp.zeros((b,), jnp.int32), routing=routing)
 
 
 def prepare_decode_params(params, config: ModelConfig) -> DecodeParams:
@@ -678,9 +685,14 @@ def cached_forward(params, config: ModelConfig, tokens, cache: KVCache, position
     routing.append(experts)
   hidden = _rms_norm(x, params.norm["scale"], config.rms_norm_eps, config.norm_plus_one)
   logits = decode_logits(params, config, hidden) if compute_logits else None
+  routing = jnp.stack(routing, axis=2) if config.num_experts else None  # [B, T, L, k]
+  recorded = cache.routing
+  if recorded is not None and routing is not None:  # written at the tokens' slots, as k and v
+    recorded = recorded.at[jnp.arange(b)[:, None], query_slots].set(routing, mode="drop")
   return DecoderOutput(hidden=hidden, logits=logits,
-                       cache=KVCache(k=tuple(new_k), v=tuple(new_v), end=new_end),
-                       routing=jnp.stack(routing, axis=2) if config.num_experts else None)
+                       cache=KVCache(k=tuple(new_k), v=tuple(new_v), end=new_end,
+                                     routing=recorded),
+                       routing=routing)
 
 
 def unembedding(params, config: ModelConfig):

@@ -33,7 +33,9 @@ __all__ = ["MESH_AXES", "DEFAULT_RULES", "make_mesh", "mesh_context", "logical_s
 MESH_AXES = ("data", "fsdp", "tensor")
 
 # FSDP shards the model width of every matrix; tensor parallelism shards heads, MLP and vocabulary;
-# batches are split over data x fsdp.
+# batches are split over data x fsdp. A mixture of experts puts its experts on the tensor axis
+# (expert parallelism): flax gives each mesh axis to the first rule that claims it, so "experts"
+# comes before "mlp", and an expert's own MLP width then stays whole on its device.
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", ("data", "fsdp")),
     ("length", None),
@@ -42,6 +44,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("embed", "fsdp"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
+    ("experts", "tensor"),
     ("mlp", "tensor"),
     ("norm", None),
     ("layers", None),

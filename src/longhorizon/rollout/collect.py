@@ -200,6 +200,7 @@ def collect(params, model_config: ModelConfig, env: Environment, codec, tasks: A
     batch = buffer.finish(reward, **_labels(env, reward, task_of_row + group_offset, rows_keys,
                                             policy_version=policy_version, task_seed=task_seed,
                                             sampling_seed=sampling_seed))
+    batch = batch.replace(routing=policy.routing(buffer.end, batch.attention_mask))
     stats.episodes = len(task_of_row)
     stats.episode_info = dict(rows.episode_info(), **buffer.episode_info())
     stats.extra.update(rows.finish())
@@ -400,6 +401,19 @@ class _ModelPolicy:
     self.cache, self.last_logits = sampler.extend(self.params, self.model_config, self.cache,
                                                   tokens, lengths, self.last_logits)
 
+  def routing(self, end, attention_mask) -> np.ndarray | None:
+    """`[B, L, layers, k]` experts of every episode token (0 on padding), as the cache recorded
+    them while sampling; None for a dense model. `end`: the episode buffer's token counts, which
+    the cache's must equal (its slot `i` holds episode token `i`)."""
+    if getattr(self.cache, "routing", None) is None:
+      return None
+    routing, cache_end = jax.device_get((self.cache.routing, self.cache.end))
+    if not np.array_equal(cache_end, end):
+      raise RuntimeError(f"routing replay: the KV cache holds {cache_end.tolist()} tokens per row "
+                         f"but the episodes {np.asarray(end).tolist()}; the recorded experts would "
+                         f"not align with the episode tokens.")
+    return np.where(np.asarray(attention_mask)[:, :, None, None], routing, 0).astype(np.int32)
+
 
 class _ScriptedPolicy:
   """Turns from a host source `(states) -> [B] id lists` (see `collect`), clipped to the budgets."""
@@ -421,6 +435,10 @@ class _ScriptedPolicy:
 
   def extend(self, observations) -> None:
     del observations  # no model, no cache
+
+  def routing(self, end, attention_mask) -> None:
+    del end, attention_mask  # no model ran: nothing was routed
+    return None
 
 
 def _parse_actions(env: Environment, codec, turn: _Turn, active) -> tuple[Action, list[str]]:

@@ -56,6 +56,9 @@ RANGES: dict[str, Range] = {
     "model.intermediate_size": _COUNT,
     "model.lora.rank": Range(int, 0, note="0 = no adapters (full fine-tuning)"),
     "model.lora.alpha": _POSITIVE,
+    "model.moe.num_experts": Range(int, 0, note="0 = a dense MLP"),
+    "model.moe.experts_per_token": _COUNT, "model.moe.intermediate_size": _COUNT,
+    "model.moe.aux_loss_coef": _NON_NEGATIVE,
     "model.lora.dropout": Range(float, 0, 1, high_open=True,
                                 note="adapter dropout in the training losses only"),
     "reward.success": _NON_NEGATIVE, "reward.milestone": _NON_NEGATIVE,
@@ -79,7 +82,7 @@ RANGES: dict[str, Range] = {
 }
 # (the typed sections' ranges, from their options classes, for the range tests and docs)
 RANGES.update({path: r for spec in SPECS for path, r in section_ranges(spec).items()})
-_BOOLS = ("tensorboard", "progress")
+_BOOLS = ("tensorboard", "progress", "model.moe.replay")
 _STRINGS = ("env.name", "model.checkpoint", "model.family", "tasks.data_dir")
 _MAPPINGS = ("env.params", "env.faults", "env.tool_costs")
 
@@ -168,6 +171,13 @@ def _check_model(m):
   if (not isinstance(targets, (list, tuple)) or not set(targets) <= set(LORA_TARGETS)
       or (m.lora.rank and not targets)):
     _fail("model.lora.targets", targets, f"a non-empty list of projections from {list(LORA_TARGETS)}")
+  moe = m.moe
+  if moe.num_experts and moe.experts_per_token > moe.num_experts:
+    _fail("model.moe.experts_per_token", moe.experts_per_token,
+          f"at most model.moe.num_experts={moe.num_experts}")
+  if moe.num_experts and m.lora.rank and set(targets) & {"gate_proj", "up_proj", "down_proj"}:
+    _fail("model.lora.targets", targets, "attention projections only (q_proj, k_proj, v_proj, "
+          "o_proj): adapters on experts are not supported")
 
 
 def _check_rules(config):

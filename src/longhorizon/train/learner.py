@@ -139,12 +139,18 @@ def _policy(config, env) -> tuple[ModelConfig, Any, Any]:
     params = lora.add_adapters(params, model_config, key(config.seed, 1))
     return model_config, params, env.codec(tokenizer, config.env.style)
   codec = env.codec(None, config.env.style)
+  moe_fields = {}
+  if "moe" in m and m.moe.num_experts:  # a fresh Qwen3-MoE
+    moe_fields = dict(model_type="qwen3_moe", qk_norm=True, num_experts=m.moe.num_experts,
+                      num_experts_per_tok=m.moe.experts_per_token,
+                      moe_intermediate_size=m.moe.intermediate_size, norm_topk_prob=True,
+                      router_aux_loss_coef=m.moe.aux_loss_coef)
   model_config = dataclasses.replace(
       tiny_config(), vocab_size=len(codec.tokenizer), hidden_size=m.hidden_size,
       num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
       num_key_value_heads=m.num_key_value_heads, intermediate_size=m.intermediate_size,
       head_dim=m.hidden_size // m.num_attention_heads, dtype=m.dtype, family=m.family,
-      decode_kernel=m.decode_kernel, **lora_fields)
+      decode_kernel=m.decode_kernel, **lora_fields, **moe_fields)
   return model_config, init_params(model_config, key(config.seed, 1)), codec
 
 
@@ -352,8 +358,11 @@ class Learner:
 
   def trimmed(self, batch):
     """`batch` cut to the shortest of `optim.length_buckets` lengths that holds its episodes (the
-    update's and SFT's shapes: at most that many compilations each)."""
+    update's and SFT's shapes: at most that many compilations each), without its recorded routing
+    when `model.moe.replay` is off."""
     full = np.shape(batch.tokens)[1]
+    if batch.routing is not None and not self.config.model.get("moe", {}).get("replay", True):
+      batch = batch.replace(routing=None)  # replay off: the learner recomputes the routing
     return episode_lib.trim(batch, episode_lib.bucket_length(
         episode_lib.used_length(batch), full, self.optim.length_buckets))
 

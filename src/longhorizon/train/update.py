@@ -79,25 +79,29 @@ def make_optimizer(learning_rate: float, *, warmup_steps: int = 0, total_steps: 
 
 
 def episode_logprobs(params, config: ModelConfig, batch, *, temperature=1.0, chunk_size=4096,
-                     return_entropy=False, dropout_rng=None):
+                     return_entropy=False, dropout_rng=None, return_aux=False):
   """`[B, L]` log-probs of each token given its prefix (0 at position 0), optionally entropies.
 
   Token `t` is scored from the hidden state at `t - 1`; rows are right-padded (`attention_mask`).
-  `dropout_rng` turns on LoRA adapter dropout (`ModelConfig.lora_dropout`; training losses only)."""
+  `dropout_rng` turns on LoRA adapter dropout (`ModelConfig.lora_dropout`; training losses only).
+  A mixture-of-experts model replays `batch.routing` (the sampler's experts, R3) when the batch
+  carries it, else routes afresh. `return_aux` appends its load-balancing loss (0 for dense ones)."""
   tokens = jnp.asarray(batch.tokens)
   lengths = jnp.asarray(batch.attention_mask).sum(-1).astype(jnp.int32)
   rngs = {"dropout": dropout_rng} if dropout_rng is not None and config.lora_dropout else None
+  routing = getattr(batch, "routing", None) if config.num_experts else None
   out = Transformer(config).apply({"params": params}, tokens, jnp.asarray(batch.positions),
-                                  lengths, compute_logits=False, rngs=rngs)
+                                  lengths, compute_logits=False, rngs=rngs, routing=routing)
   res = lp.token_logprobs_from_hidden(out.hidden[:, :-1], unembedding(params, config),
                                       tokens[:, 1:], chunk_size=min(chunk_size, config.vocab_size),
                                       temperature=temperature, return_entropy=return_entropy,
                                       vocab_axis=0 if config.tie_word_embeddings else 1,
                                       softcap=config.final_logit_softcapping)
   pad = lambda x: jnp.pad(x, ((0, 0), (1, 0)))
-  if return_entropy:
-    return pad(res[0]), pad(res[1])
-  return pad(res)
+  res = (pad(res[0]), pad(res[1])) if return_entropy else (pad(res),)
+  if return_aux:
+    res = (*res, jnp.zeros((), jnp.float32) if out.aux_loss is None else out.aux_loss)
+  return res if len(res) > 1 else res[0]
 
 
 def critic_values(critic_params, config: ModelConfig, batch):
@@ -155,11 +159,15 @@ def _prepare(batch: EpisodeBatch, x: LearnInputs, loss: LossOptions) -> dict:
 
 def _policy_loss(trainable, frozen, mb, *, config: ModelConfig, loss: LossOptions,
                  temperature: float):
-  logp, ent = episode_logprobs(lora.combine(trainable, frozen), config, mb["batch"],
-                               temperature=temperature, chunk_size=loss.chunk_size,
-                               return_entropy=True, dropout_rng=mb["dropout_rng"])
+  logp, ent, aux = episode_logprobs(lora.combine(trainable, frozen), config, mb["batch"],
+                                    temperature=temperature, chunk_size=loss.chunk_size,
+                                    return_entropy=True, dropout_rng=mb["dropout_rng"],
+                                    return_aux=True)
   value, metrics = loss.spec.fn(logp, mb["old_logp"], mb["adv"], mb["mask"], mb["is_weights"], loss)
   metrics = dict(metrics, policy_loss=value, entropy=losses.masked_mean(ent, mb["mask"]))
+  if config.num_experts:  # MoE: the load-balancing loss, over every real token of the minibatch
+    metrics["moe_aux_loss"] = aux
+    value = value + config.router_aux_loss_coef * aux
   if loss.entropy_coef:
     value = value - loss.entropy_coef * losses.aggregate(ent, mb["mask"], loss.agg,
                                                          loss.norm_length or None)

@@ -46,6 +46,16 @@ LOCK_FILE = ".lock"
 MUTABLE = ("num_updates", "eval.", "progress", "tensorboard", "checkpoint_every", "keep_checkpoints",
            "alarm.", "mesh.", "tasks.data_dir", "rollout.num_actors", "rollout.queue_size")
 
+# Fields added after workdirs were made, with the value that reproduces how runs behaved before
+# them: a saved config without such a field resumes when the new value is this one.
+ADDED_FIELDS: dict[str, Any] = {
+    "model.lora.rank": 0, "model.lora.alpha": 16.0, "model.lora.dropout": 0.0,
+    "model.lora.targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                           "down_proj"],
+    "model.moe.num_experts": 0, "model.moe.experts_per_token": 2,
+    "model.moe.intermediate_size": 64, "model.moe.aux_loss_coef": 0.01, "model.moe.replay": True,
+}
+
 
 def resolve(path: str | os.PathLike) -> str:
   """`path` as an absolute local path (`~` expanded, `..` collapsed); URLs (`gs://...`) unchanged."""
@@ -211,7 +221,8 @@ def check_config(workdir: str, config, *, resuming: bool) -> dict[str, tuple]:
         f"against the config its checkpoints were made with. Restore the file (each session's "
         f"copy is config.<update>.json) or start a new workdir.") from None
   diff = config_diff(saved, config)
-  fixed = {k: v for k, v in diff.items() if not _is_mutable(k)}
+  fixed = {k: v for k, v in diff.items() if not _is_mutable(k)
+           and not (v[0] == "<missing>" and k in ADDED_FIELDS and v[1] == ADDED_FIELDS[k])}
   if fixed:
     lines = "\n".join(f"  {k}: {a!r} (saved) -> {b!r} (now)" for k, (a, b) in fixed.items())
     raise ConfigMismatchError(
