@@ -61,6 +61,10 @@ def get_config(arg=None):
   config.model.family = "llama"  # a fresh decoder's family (models.registered_families())
   # Decode-step attention: auto (the C++ CPU kernel where it applies and builds, else XLA) | xla | cpu
   config.model.decode_kernel = "auto"
+  # The sampler's weights: "none" (the learner's float32) or "int8" (weight-only, per-column scales;
+  # models/quant.py). The learner stays in full precision; TIS (loss.tis_threshold, proximal
+  # anchor) corrects the rollout/learner mismatch this brings.
+  config.model.decode_quant = "none"
   # LoRA adapters (models/lora.py): rank 0 = off (full fine-tuning). Only the adapters train; the
   # KL reference is the base model (adapters off); the sampler decodes with merged kernels.
   config.model.lora = ml_collections.ConfigDict()

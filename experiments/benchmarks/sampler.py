@@ -26,6 +26,9 @@ called once to compile, then timed `--repeats` times ending in `jax.block_until_
 * **episode**: `--turns` turns, each `extend` with an observation of `--obs_tokens` tokens then
   `decode` of `--turn_tokens` tokens, against one `prefill` of the prompt and all observations then
   one `decode` of all turn tokens (same totals, same cache capacity). Target: ratio <= 1.3.
+* **int8** (`--int8`): the same decode with `decode_quant="int8"` (weight-only int8, per-column
+  scales, `models/quant.py`): its step time against float32 decode, the float32 roofline and HF.
+  The rollout/learner mismatch this brings is measured by `experiments/quant_mismatch.py`.
 * **compile**: trace + lower, and XLA compile, of the 30-layer `decode` (batch 1, N new tokens),
   measured before anything else is compiled.
 
@@ -73,6 +76,9 @@ _DECODE_KERNEL = flags.DEFINE_enum("decode_kernel", "auto", list(DECODE_KERNELS)
                                    "Decode-step attention (`ModelConfig.decode_kernel`): the CPU "
                                    "kernel where it builds ('auto'), always XLA ('xla') or always "
                                    "the kernel ('cpu').")
+
+_INT8 = flags.DEFINE_bool("int8", True, "Also time weight-only int8 decoding "
+                          "(`ModelConfig.decode_quant='int8'`) at each batch size.")
 
 _PROMPT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 # DESIGN.md "Performance bars".
@@ -244,6 +250,22 @@ def episode_s(params, config, ids, batch, turns, obs_tokens, turn_tokens, repeat
   return _median_s(multi, repeats), _median_s(single, repeats)
 
 
+def _int8_rows(entry, params, config, ids, batch, n, repeats, f32_step, roof, hf_step):
+  """Times int8 decode at `batch` (into `entry`) and returns its rows: against float32 decode,
+  the float32 roofline and HF generate (the ratios are speed-ups: > 1 is faster)."""
+  run = decode_runner(params, config, ids, batch, n)
+  step = statistics.median(run() / n for _ in range(repeats))
+  entry.update(int8_step_s=step, int8_tokens_per_s=batch / step)
+  rows = [dict(name=f"int8 decode B={batch}: vs f32 decode", ours=f"{batch / step:.1f} tok/s",
+               reference=f"{batch / f32_step:.1f} tok/s", ratio=f32_step / step),
+          dict(name=f"int8 decode B={batch}: vs f32 roofline", ours=f"{1e3 * step:.1f} ms",
+               reference=f"{1e3 * roof:.1f} ms", ratio=roof / step)]
+  if hf_step is not None:
+    rows.append(dict(name=f"int8 decode B={batch}: vs HF generate", ours=f"{batch / step:.1f} tok/s",
+                     reference=f"{batch / hf_step:.1f} tok/s", ratio=hf_step / step))
+  return rows
+
+
 # ---------------------------------------------------------------------------------------------- HF
 
 def hf_decode_s(ids, batch_sizes, new_tokens_of, repeats):
@@ -306,6 +328,8 @@ def main(argv):
   assert config.dtype == "float32" and config.param_dtype == "float32"
   params_raw = jax.device_put(params)
   params = prepare_decode_params(params_raw, config)  # once per policy version, as a rollout does
+  config_q8 = config.replace(decode_quant="int8")
+  params_q8 = prepare_decode_params(params_raw, config_q8) if _INT8.value else None
   ids = render_chat(tokenizer, _PROMPT)
   rows, record = [], {}
 
@@ -351,6 +375,9 @@ def main(argv):
     rows.append(dict(name=f"decode B={batch}: step vs roofline", ours=f"{1e3 * ours:.1f} ms",
                      reference=f"{1e3 * roof:.1f} ms ({batch / roof:.0f} t/s)", ratio=ours / roof,
                      target=f"<={_TARGET_ROOFLINE}", **{"pass": ours / roof <= _TARGET_ROOFLINE}))
+    if params_q8 is not None:
+      rows.extend(_int8_rows(entry, params_q8, config_q8, ids, batch, n, repeats, ours, roof,
+                             None if hf is None else hf[batch][0]))
     record["decode"][batch] = entry
 
   k, obs, m, eb = _TURNS.value, _OBS_TOKENS.value, _TURN_TOKENS.value, _EPISODE_BATCH.value

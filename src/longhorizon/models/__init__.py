@@ -27,14 +27,14 @@ kernel of `cpu_kernels.py`, or XLA); see `config.DECODE_KERNELS`.
 import flax.linen as nn
 
 from longhorizon.models import lora
-from longhorizon.models.config import (DECODE_KERNELS, LORA_TARGETS, ModelConfig, RopeScaling,
-                                       tiny_config)
+from longhorizon.models.config import (DECODE_KERNELS, DECODE_QUANTS, LORA_TARGETS, ModelConfig,
+                                       RopeScaling, tiny_config)
 from longhorizon.models.families import (DecodeCache, ModelFamily, family, register_family,
                                        registered_families)
 from longhorizon.models.llama import DecodeParams, DecoderOutput, KVCache, ValueHead
 
-__all__ = ["ModelConfig", "RopeScaling", "tiny_config", "DECODE_KERNELS", "LORA_TARGETS", "lora",
-           "ModelFamily", "DecodeCache",
+__all__ = ["ModelConfig", "RopeScaling", "tiny_config", "DECODE_KERNELS", "DECODE_QUANTS",
+           "LORA_TARGETS", "lora", "ModelFamily", "DecodeCache",
            "family", "register_family", "registered_families", "Transformer", "Critic",
            "PolicyWithValue", "ValueHead", "KVCache", "DecodeParams", "DecoderOutput", "init_cache",
            "unembedding", "init_params", "prepare_decode_params", "cached_forward", "decode_logits"]

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 from longhorizon.models import cpu_kernels
 
 __all__ = ["ModelConfig", "RopeScaling", "tiny_config", "SUPPORTED_ARCHITECTURES", "MODEL_TYPE_FAMILY",
-           "DECODE_KERNELS", "LORA_TARGETS"]
+           "DECODE_KERNELS", "DECODE_QUANTS", "LORA_TARGETS"]
 
 # HF `architectures` / `model_type` values this decoder implements exactly.
 SUPPORTED_ARCHITECTURES = {
@@ -53,6 +53,8 @@ HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 #   "xla":  always XLA's einsums.
 #   "cpu":  always the kernel: an error if it cannot be built; the call lowers for CPU only.
 DECODE_KERNELS = ("auto", "xla", "cpu")
+# `ModelConfig.decode_quant` choices: the sampler's weight format.
+DECODE_QUANTS = ("none", "int8")
 
 # The projections a LoRA adapter may sit on (`ModelConfig.lora_targets`; HF / peft module names).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -122,6 +124,10 @@ class ModelConfig:
   # Decode-step attention: "auto", "xla" or "cpu" (see `DECODE_KERNELS`). A field of this static jit
   # argument, so the tracing cache keys on it: switching it retraces, never reuses a stale program.
   decode_kernel: str = "auto"
+  # Weight-only quantisation of the sampler's copy of the weights (`models/quant.py`): "none" or
+  # "int8" (per-output-column scales; dense models only). Training never reads the decode copy, so
+  # the learner stays in full precision.
+  decode_quant: str = "none"
   # LoRA (`models/lora.py`): rank 0 is off. With rank r > 0 every `lora_targets` projection gains
   # float32 adapters `lora_a [D_in, r]`, `lora_b [r, D_out]` (b starts at 0) and computes
   # `x W + (lora_alpha / r) * dropout(x) A B`; only the adapters train. Dropout (rate `lora_dropout`)
@@ -159,6 +165,9 @@ class ModelConfig:
                        f"are for model_type='qwen3_moe', with 0 < num_experts_per_tok <= "
                        f"num_experts and moe_intermediate_size > 0.")
     self._check_decode_kernel()
+    if self.decode_quant not in DECODE_QUANTS or (self.decode_quant != "none" and self.num_experts):
+      raise ValueError(f"decode_quant must be one of {DECODE_QUANTS} (int8 for dense models only; "
+                       f"num_experts={self.num_experts}), got {self.decode_quant!r}.")
     self._check_lora()
     if self.head_dim is None:
       object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)

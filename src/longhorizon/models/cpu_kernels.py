@@ -31,12 +31,14 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 
-__all__ = ["available", "applies", "decode_attention", "use_kernel", "build_error", "MAX_GROUP"]
+__all__ = ["available", "applies", "decode_attention", "use_kernel", "build_error", "MAX_GROUP",
+           "int8_matmul"]
 
 MAX_GROUP = 8  # query heads per kv head the kernel is compiled for (GQA groups of 1 to 8)
 
 _SOURCE = pathlib.Path(__file__).with_name("decode_attention.cc")
 _TARGET = "longhorizon_decode_attention"
+_INT8_TARGET = "longhorizon_int8_matmul"
 # Not -ffast-math: linking with it sets flush-to-zero for the whole process (crtfastmath.o), which
 # changed float results elsewhere (a hypothesis float strategy failed). Reassociation is enough to
 # vectorise the reductions.
@@ -94,6 +96,8 @@ def _load() -> bool:
         _build(path, compiler)
       library = ctypes.cdll.LoadLibrary(str(path))
       jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(library.LhDecodeAttention),
+                                  platform="cpu")
+      jax.ffi.register_ffi_target(_INT8_TARGET, jax.ffi.pycapsule(library.LhInt8Matmul),
                                   platform="cpu")
       _state["loaded"] = True
     except Exception as e:  # pylint: disable=broad-except
@@ -170,3 +174,24 @@ def decode_attention(q, k, v, n):
   out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
   return jax.ffi.ffi_call(_TARGET, out)(q.astype(jnp.float32), k.astype(jnp.float32),
                                         v.astype(jnp.float32), n.astype(jnp.int32))
+
+
+def int8_matmul(x, q, s):
+  """`(x @ q) * s` with int8 weights widened in registers (CPU kernel; `models/quant.py` calls it).
+
+  Args:
+    x: `[M, I]` float32 activations.
+    q: `[I, O]` int8 weights.
+    s: `[O]` float32 per-output-column scales.
+
+  Returns:
+    `[M, O]` float32.
+  """
+  if not _load():
+    raise RuntimeError(f"the CPU int8 matmul kernel is unavailable: {build_error()}")
+  if x.ndim != 2 or q.ndim != 2 or s.ndim != 1 or x.shape[1] != q.shape[0] or s.shape[0] != q.shape[1]:
+    raise ValueError(f"int8_matmul expects x[M, I], q[I, O], s[O]; got x{x.shape}, q{q.shape}, "
+                     f"s{s.shape}.")
+  out = jax.ShapeDtypeStruct((x.shape[0], q.shape[1]), jnp.float32)
+  return jax.ffi.ffi_call(_INT8_TARGET, out)(x.astype(jnp.float32), q.astype(jnp.int8),
+                                             s.astype(jnp.float32))

@@ -17,6 +17,8 @@
 //   out [B, KV, G, hd]  softmax(q . k_s) weighted sum of v_s over s < n[b]; zeros where n[b] == 0.
 //
 // Work is split over (row, kv-head) pairs between the calling thread and XLA's intra-op thread pool.
+//
+// The same library holds `LhInt8Matmul`, the weight-only int8 matmul of quantised decoding (below).
 
 #include <algorithm>
 #include <atomic>
@@ -279,7 +281,96 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Weight-only int8 matmul for quantised decoding: y[M, O] = (x[M, I] . q[I, O]) * s[O].
+//
+// A decode step at small batch reads every weight once, so its time is the bytes of the weights:
+// int8 reads a quarter of float32's. XLA:CPU converts an int8 matrix to float32 in memory before its
+// dot (measured slower than the float32 dot), so the conversion happens here, in registers: each
+// thread owns blocks of kCols output columns, widens one row of the block's weights at a time to
+// float32 and accumulates it into kRows rows of outputs held in L1.
+
+constexpr int64_t kCols = 128;
+constexpr int64_t kRows = 32;
+
+struct MatWork {
+  const float* x;
+  const int8_t* q;
+  const float* s;
+  float* y;
+  int64_t m, in, out, blocks;
+  std::atomic<int64_t> next{0}, done{0};
+};
+
+void MatBlock(const MatWork& w, int64_t block) {
+  const int64_t o0 = block * kCols;
+  const int64_t cols = std::min(kCols, w.out - o0);
+  alignas(64) float wide[kCols];
+  alignas(64) float acc[kRows][kCols];
+  for (int64_t c = cols; c < kCols; ++c) wide[c] = 0.0f;
+  for (int64_t m0 = 0; m0 < w.m; m0 += kRows) {
+    const int64_t rows = std::min(kRows, w.m - m0);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < kCols; ++c) acc[r][c] = 0.0f;
+    }
+    for (int64_t k = 0; k < w.in; ++k) {
+      const int8_t* row = w.q + k * w.out + o0;
+      for (int64_t c = 0; c < cols; ++c) wide[c] = static_cast<float>(row[c]);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float xv = w.x[(m0 + r) * w.in + k];
+        float* a = acc[r];
+        for (int64_t c = 0; c < kCols; ++c) a[c] += xv * wide[c];
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* y = w.y + (m0 + r) * w.out + o0;
+      for (int64_t c = 0; c < cols; ++c) y[c] = acc[r][c] * w.s[o0 + c];
+    }
+  }
+}
+
+void RunBlocks(MatWork& w) {
+  for (;;) {
+    const int64_t b = w.next.fetch_add(1);
+    if (b >= w.blocks) return;
+    MatBlock(w, b);
+    w.done.fetch_add(1);
+  }
+}
+
+ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
+                          ffi::Buffer<ffi::F32> s, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), qd = q.dimensions(), sd = s.dimensions();
+  if (xd.size() != 2 || qd.size() != 2 || sd.size() != 1 || xd[1] != qd[0] || sd[0] != qd[1]) {
+    return ffi::Error::InvalidArgument("int8_matmul expects x[M, I], q[I, O] int8, s[O]");
+  }
+  auto work = std::make_shared<MatWork>();
+  work->x = x.typed_data();
+  work->q = q.typed_data();
+  work->s = s.typed_data();
+  work->y = y->typed_data();
+  work->m = xd[0];
+  work->in = xd[1];
+  work->out = qd[1];
+  work->blocks = (work->out + kCols - 1) / kCols;
+  if (work->m == 0 || work->blocks == 0) return ffi::Error::Success();
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t helpers = std::min<int64_t>(threads, work->blocks) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { RunBlocks(*work); });
+  RunBlocks(*work);
+  while (work->done.load() < work->blocks) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LhInt8Matmul, Int8MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LhDecodeAttention, DecodeAttentionImpl,
                               ffi::Ffi::Bind()

@@ -22,6 +22,7 @@ Every parameter carries logical axis names (see `sharding.py`).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import flax.linen as nn
 import flax.struct
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from longhorizon.models import cpu_kernels
+from longhorizon.models import quant
 from longhorizon.models import lora
 from longhorizon.models.config import ModelConfig
 
@@ -71,7 +73,8 @@ class DecodeParams:
   CPU threads busy where three small ones ran one after another."""
   embed: jax.Array  # [V, D]
   norm: dict  # {"scale": [D]}
-  lm_head: jax.Array | None  # [D, V] when embeddings are untied
+  lm_head: Any  # [D, V] when embeddings are untied, else None; with `decode_quant="int8"` always
+  #              a `quant.Int8Weight` [D, V] (for tied embeddings, of the table's transpose)
   layers: tuple  # L dicts: input_norm [D], out_norms (Gemma: the norms of the attention and MLP
   #               outputs, 2 x [D], else None), post_norm [D] (before the MLP), qk_norm [H+KV, hd]
   #               (Qwen3 / Gemma 3, else None), qkv [D, (H+2KV)hd], qkv_bias (or None),
@@ -146,11 +149,23 @@ def prepare_decode_params(params, config: ModelConfig) -> DecodeParams:
        "down": cast(down[l]),
        "router": None if router is None else cast(router[l])}
       for l in range(config.num_hidden_layers))
-  return DecodeParams(
+  out = DecodeParams(
       embed=cast(params["embed_tokens"]["embedding"]),
       norm={"scale": jnp.asarray(params["norm"]["scale"])},
       lm_head=None if config.tie_word_embeddings else cast(params["lm_head"]["kernel"]),
       layers=layers)
+  return _quantized(out, params, config) if config.decode_quant == "int8" else out
+
+
+def _quantized(out: DecodeParams, params, config: ModelConfig) -> DecodeParams:
+  """`out` with its dense matrices as `quant.Int8Weight`s: q|k|v, o, gate|up, down of every layer
+  and the unembedding (for tied embeddings an int8 copy of the table's transpose; the float table
+  stays for the embedding lookup)."""
+  names = ("qkv", "o", "gate_up", "down")
+  layers = tuple(dict(w, **{n: quant.quantize_int8(w[n]) for n in names}) for w in out.layers)
+  head = (params["embed_tokens"]["embedding"].T if config.tie_word_embeddings
+          else params["lm_head"]["kernel"])
+  return out.replace(layers=layers, lm_head=quant.quantize_int8(head))
 
 
 def rope_frequencies(config: ModelConfig, theta: float | None = None) -> np.ndarray:
@@ -530,7 +545,9 @@ def load_balancing_loss(experts, probs, real, num_experts: int):
 
 def decode_logits(params: DecodeParams, config: ModelConfig, hidden):
   """float32 `[..., V]` logits of final-normed hidden states, from `DecodeParams`."""
-  if config.tie_word_embeddings:
+  if isinstance(params.lm_head, quant.Int8Weight):  # quantised decoding (tied or not)
+    logits = quant.matmul(hidden, params.lm_head, config.decode_kernel).astype(_F32)
+  elif config.tie_word_embeddings:
     logits = jnp.einsum("...d,vd->...v", hidden, params.embed.astype(hidden.dtype),
                         preferred_element_type=_F32)
   else:
@@ -598,7 +615,8 @@ def _cached_block(w, config: ModelConfig, x, layer_k, layer_v, rope, mask, slots
   b, t, _ = x.shape
   h, kv, hd = config.num_attention_heads, config.num_key_value_heads, config.dims_per_head
   y = _rms_norm(x, w["input_norm"], config.rms_norm_eps, config.norm_plus_one)
-  qkv = jnp.dot(y, w["qkv"])
+  mm = lambda a, m: quant.matmul(a, m, config.decode_kernel)  # a float or an int8 matrix
+  qkv = mm(y, w["qkv"])
   if w["qkv_bias"] is not None:
     qkv = qkv + w["qkv_bias"][None, None, :]
   qk = qkv[..., :(h + kv) * hd].reshape(b, t, h + kv, hd)
@@ -619,13 +637,13 @@ def _cached_block(w, config: ModelConfig, x, layer_k, layer_v, rope, mask, slots
   out = _cached_attention(q.reshape(b, t, kv, h // kv, hd), layer_k, layer_v, mask, kernel,
                           config.attention_scale if config.query_pre_attn_scalar else None,
                           config.attn_logit_softcapping)
-  attn = jnp.dot(out.reshape(b, t, h * hd), w["o"])
+  attn = mm(out.reshape(b, t, h * hd), w["o"])
   eps, plus_one = config.rms_norm_eps, config.norm_plus_one
   if w["out_norms"] is not None:  # Gemma: norms after attention and around the MLP
     x = x + _rms_norm(attn, w["out_norms"][0], eps, plus_one)
     y = _rms_norm(x, w["post_norm"], eps, plus_one)
-    gate, up = jnp.split(jnp.dot(y, w["gate_up"]), 2, axis=-1)
-    mlp = jnp.dot(_activation(config, gate) * up, w["down"])
+    gate, up = jnp.split(mm(y, w["gate_up"]), 2, axis=-1)
+    mlp = mm(_activation(config, gate) * up, w["down"])
     return x + _rms_norm(mlp, w["out_norms"][1], eps, plus_one), layer_k, layer_v, None
   x = x + attn
   y = _rms_norm(x, w["post_norm"], config.rms_norm_eps)
@@ -635,8 +653,8 @@ def _cached_block(w, config: ModelConfig, x, layer_k, layer_v, rope, mask, slots
     gate, up = jnp.split(w["gate_up"], 2, axis=-1)
     return (x + _moe_combine(y, weights, experts, gate, up, w["down"], config.num_experts),
             layer_k, layer_v, experts)
-  gate, up = jnp.split(jnp.dot(y, w["gate_up"]), 2, axis=-1)
-  return x + jnp.dot(nn.silu(gate) * up, w["down"]), layer_k, layer_v, None
+  gate, up = jnp.split(mm(y, w["gate_up"]), 2, axis=-1)
+  return x + mm(nn.silu(gate) * up, w["down"]), layer_k, layer_v, None
 
 
 def cached_forward(params, config: ModelConfig, tokens, cache: KVCache, positions=None,

@@ -18,7 +18,7 @@ from longhorizon import envs
 from longhorizon.envs.base import SPLITS
 from longhorizon.envs.codec import STYLES
 from longhorizon.envs.wrappers import FAULT_KINDS
-from longhorizon.models import DECODE_KERNELS, LORA_TARGETS, registered_families
+from longhorizon.models import DECODE_KERNELS, DECODE_QUANTS, LORA_TARGETS, registered_families
 from longhorizon.train.algorithms import ALGORITHMS, AlgorithmOptions
 from longhorizon.train.options import (COUNT as _COUNT, NON_NEGATIVE as _NON_NEGATIVE,
                                        NON_NEGATIVE_INT as _NON_NEGATIVE_INT,
@@ -38,6 +38,7 @@ _CHOICES = {
     "env.style": STYLES,
     "model.dtype": ("float32", "bfloat16"),
     "model.decode_kernel": DECODE_KERNELS,
+    "model.decode_quant": DECODE_QUANTS,
     "eval.split": SPLITS,
 }
 

@@ -135,7 +135,8 @@ def _policy(config, env) -> tuple[ModelConfig, Any, Any]:
   if m.checkpoint:  # its own family and shapes; the decode kernel (and adapters) are the config's
     model_config, params, tokenizer = checkpoint_lib.load(m.checkpoint)
     model_config = dataclasses.replace(model_config, decode_kernel=m.decode_kernel,
-                                       dtype=m.get("dtype", "float32"), **lora_fields)
+                                       dtype=m.get("dtype", "float32"),
+                                       decode_quant=m.get("decode_quant", "none"), **lora_fields)
     params = lora.add_adapters(params, model_config, key(config.seed, 1))
     return model_config, params, env.codec(tokenizer, config.env.style)
   codec = env.codec(None, config.env.style)
@@ -150,7 +151,8 @@ def _policy(config, env) -> tuple[ModelConfig, Any, Any]:
       num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
       num_key_value_heads=m.num_key_value_heads, intermediate_size=m.intermediate_size,
       head_dim=m.hidden_size // m.num_attention_heads, dtype=m.dtype, family=m.family,
-      decode_kernel=m.decode_kernel, **lora_fields, **moe_fields)
+      decode_kernel=m.decode_kernel, decode_quant=m.get("decode_quant", "none"), **lora_fields,
+      **moe_fields)
   return model_config, init_params(model_config, key(config.seed, 1)), codec
 
 

@@ -239,6 +239,10 @@ def rl_update(state: TrainState, batch: EpisodeBatch, inputs: LearnInputs, *, co
       (order, drop_keys))
   metrics = jax.tree.map(jnp.mean, metrics)
   metrics["skipped_updates"] = state.skipped
+  if loss.spec.anchor == "proximal":  # the rollout engine against the learner, before this update
+    gap = jnp.abs(data["old_logp"] - jnp.where(data["mask"] > 0, batch.behavior_logprobs, 0.0))
+    metrics["logp_mismatch_mean"] = losses.masked_mean(gap, data["mask"])
+    metrics["logp_mismatch_max"] = jnp.max(jnp.where(data["mask"] > 0, gap, 0.0))
   if data["is_weights"] is not None:
     mask, old_logp = data["mask"], data["old_logp"]
     metrics["is_weight_mean"] = losses.masked_mean(data["is_weights"], mask)
