@@ -80,3 +80,24 @@ def one_hop_learning_changes():
           "sft.learning_rate": 3e-3, "tasks.test_size": 64, "rollout.num_tasks": 8,
           "rollout.group_size": 8, "rollout.context_length": 96, "optim.learning_rate": 3e-4,
           "optim.minibatches": 2, "optim.epochs": 2}
+
+
+@pytest.fixture(scope="session")
+def smoke_learner():
+  """`smoke_learner(tmp_path, changes)`: a `Learner` (see `_smoke_learner`)."""
+  return _smoke_learner
+
+
+def _smoke_learner(tmp_path, changes):
+  """A `Learner` of configs/default.py:smoke with `changes` (dotted paths) applied and its task
+  data under `tmp_path`."""
+  from configs import default as default_config  # pylint: disable=g-import-not-at-top
+  from longhorizon.train import config as config_lib  # pylint: disable=g-import-not-at-top
+  from longhorizon.train.learner import Learner  # pylint: disable=g-import-not-at-top
+  config = default_config.get_config("smoke")
+  config.unlock()
+  config.tasks.data_dir = str(tmp_path / "tasks")
+  for path, value in changes.items():
+    config_lib.set_path(config, path, value)
+  config.lock()
+  return Learner.build(config)

@@ -101,26 +101,14 @@ def test_quantised_sampler_decodes_and_is_traced_once(assert_no_retrace):
 
 
 @pytest.mark.slow
-def test_learner_with_int8_rollouts_measures_the_mismatch(tmp_path):
+def test_learner_with_int8_rollouts_measures_the_mismatch(tmp_path, smoke_learner):
   """Int8 rollouts, float32 learner: the update reports the rollout/learner log-prob gap (about
   1e-6 with float32 rollouts, clearly more with int8) and the TIS weights that correct it."""
-  import os  # pylint: disable=g-import-not-at-top
-  from longhorizon.studies import sweeps  # pylint: disable=g-import-not-at-top
-  from longhorizon.train import config as config_lib  # pylint: disable=g-import-not-at-top
-  from longhorizon.train.learner import Learner  # pylint: disable=g-import-not-at-top
   from longhorizon.train.metrics import Timer  # pylint: disable=g-import-not-at-top
-  default = sweeps.config_module(os.path.join(os.path.dirname(__file__), "..", "..", "configs",
-                                              "default.py"))
   gaps = {}
   for quant_name in ("none", "int8"):
-    config = default.get_config("smoke")
-    config.unlock()
-    config.tasks.data_dir = str(tmp_path / "tasks")
-    for path, value in {"model.decode_quant": quant_name, "loss.tis_threshold": 2.0,
-                        "rollout.context_length": 96, "env.max_steps": 3}.items():
-      config_lib.set_path(config, path, value)
-    config.lock()
-    s = Learner.build(config)
+    s = smoke_learner(tmp_path, {"model.decode_quant": quant_name, "loss.tis_threshold": 2.0,
+                                 "rollout.context_length": 96, "env.max_steps": 3})
     assert s.model_config.decode_quant == quant_name
     _, m = s.step(s.initial_state(), 0, 0, Timer())
     assert 0.9 < m["is_weight_mean"] < 1.1

@@ -4,8 +4,6 @@ tokens, and the learner replays them, so its log-probs of the sampled tokens are
 when the rollout engine's numerics (bf16) route some tokens elsewhere; the load-balancing loss
 enters the RL loss; `model.moe.replay = False` recomputes the routing."""
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,31 +12,17 @@ import pytest
 from longhorizon import rollout
 from longhorizon.core.episode import to_device
 from longhorizon.models import Transformer
-from longhorizon.studies import sweeps
-from longhorizon.train import config as config_lib
-from longhorizon.train.learner import Learner
 from longhorizon.train.metrics import Timer
 
-default_config = sweeps.config_module(
-    os.path.join(os.path.dirname(__file__), "..", "..", "configs", "default.py"))
 
-
-def _learner(tmp_path, **changes):
-  config = default_config.get_config("smoke")
-  config.unlock()
-  config.tasks.data_dir = str(tmp_path / "tasks")
-  base = {"env.params": {"horizon": 2}, "env.max_steps": 4, "rollout.context_length": 96,
-          "model.moe.num_experts": 4, "model.moe.experts_per_token": 2,
-          "model.moe.intermediate_size": 32, "optim.learning_rate": 1e-2}
-  for path, value in {**base, **changes}.items():
-    config_lib.set_path(config, path, value)
-  config.lock()
-  return Learner.build(config)
+_BASE = {"env.params": {"horizon": 2}, "env.max_steps": 4, "rollout.context_length": 96,
+         "model.moe.num_experts": 4, "model.moe.experts_per_token": 2,
+         "model.moe.intermediate_size": 32, "optim.learning_rate": 1e-2}
 
 
 @pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-  s = _learner(tmp_path_factory.mktemp("moe"))
+def moe(tmp_path_factory, smoke_learner):
+  s = smoke_learner(tmp_path_factory.mktemp("moe"), _BASE)
   # Experts whose outputs matter (gate and up projections 6x their 0.02-scale init, as in
   # tests/models/test_moe_replay.py), so the expert a token is routed to moves its log-probs.
   params = jax.tree_util.tree_map_with_path(
@@ -122,7 +106,7 @@ def test_the_update_adds_the_aux_loss_and_is_traced_once(moe, assert_no_retrace)
   assert_no_retrace(s.update_fn(*calls[0][0]), *calls)
 
 
-def test_replay_off_recomputes_the_routing(tmp_path):
-  s = _learner(tmp_path, **{"model.moe.replay": False})
+def test_replay_off_recomputes_the_routing(tmp_path, smoke_learner):
+  s = smoke_learner(tmp_path, {**_BASE, "model.moe.replay": False})
   batch = s.collect_batch(s.init_params, 0, 0, Timer())[0]
   assert batch.routing is not None and s.trimmed(batch).routing is None
