@@ -250,6 +250,13 @@ def episode_s(params, config, ids, batch, turns, obs_tokens, turn_tokens, repeat
   return _median_s(multi, repeats), _median_s(single, repeats)
 
 
+def _attention_name(config):
+  if config.decode_kernel == "xla":
+    return "XLA (decode_kernel='xla')"
+  # "auto" on this CPU / float32 / G = 3 model: the kernel if it built; "cpu" raised otherwise.
+  return "CPU kernel" if cpu_kernels.available() else f"XLA ({cpu_kernels.build_error()})"
+
+
 def _int8_rows(entry, params, config, ids, batch, n, repeats, f32_step, roof, hf_step):
   """Times int8 decode at `batch` (into `entry`) and returns its rows: against float32 decode,
   the float32 roofline and HF generate (the ratios are speed-ups: > 1 is faster)."""
@@ -389,10 +396,7 @@ def main(argv):
   record["episode"] = {"multi_s": multi, "single_s": single, "turns": k, "obs_tokens": obs,
                        "turn_tokens": m, "batch": eb}
 
-  if config.decode_kernel == "xla":
-    attention = "XLA (decode_kernel='xla')"
-  else:  # "auto" on this CPU / float32 / G = 3 model: the kernel if it built; "cpu" raised otherwise
-    attention = "CPU kernel" if cpu_kernels.available() else f"XLA ({cpu_kernels.build_error()})"
+  attention = _attention_name(config)
   print(f"SmolLM2-135M float32, prompt {len(ids)} tokens, {n} new tokens, jax {jax.__version__}, "
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, decode attention: {attention}")
   record["attention"] = attention

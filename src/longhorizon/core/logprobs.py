@@ -97,6 +97,17 @@ def _unembed_as_dv(unembed: jax.Array, d: int, vocab_axis: int | None) -> jax.Ar
   return unembed if vocab_axis == 1 else unembed.T
 
 
+def _check_from_hidden(hidden, targets, chunk_size):
+  hidden, targets = jnp.asarray(hidden), jnp.asarray(targets)
+  chex.assert_rank(hidden, 3)
+  chex.assert_rank(targets, 2)
+  chex.assert_equal_shape_prefix([hidden, targets], 2)
+  chex.assert_type(targets, int)
+  if chunk_size <= 0:
+    raise ValueError(f"chunk_size must be positive, got {chunk_size}.")
+  return hidden, targets
+
+
 @functools.partial(jax.jit, static_argnames=("chunk_size", "return_entropy", "vocab_axis",
                                              "softcap"))
 def token_logprobs_from_hidden(hidden: chex.Array,
@@ -130,14 +141,7 @@ def token_logprobs_from_hidden(hidden: chex.Array,
   Returns:
     `[B, T]` float32 log-probs, or `(logprobs, entropy)` when `return_entropy`.
   """
-  hidden = jnp.asarray(hidden)
-  targets = jnp.asarray(targets)
-  chex.assert_rank(hidden, 3)
-  chex.assert_rank(targets, 2)
-  chex.assert_equal_shape_prefix([hidden, targets], 2)
-  chex.assert_type(targets, int)
-  if chunk_size <= 0:
-    raise ValueError(f"chunk_size must be positive, got {chunk_size}.")
+  hidden, targets = _check_from_hidden(hidden, targets, chunk_size)
   b, t, d = hidden.shape
   w = _unembed_as_dv(jnp.asarray(unembed), d, vocab_axis)
   vocab = w.shape[1]
