@@ -24,8 +24,9 @@ from longhorizon.models import cpu_kernels
 
 __all__ = ["Int8Weight", "quantize_int8", "dequantize", "matmul", "KERNEL_MAX_ROWS"]
 
-# A kernel call keeps `kRows` (32) output rows in L1 per pass over the weights; above this many rows
-# (prefill, observation appends) the dequantised XLA dot is faster.
+# A kernel call keeps `kRows` (32) output rows in L1 per pass over the weights, so each further 32
+# rows re-read them; calls with more rows than this (prefill, observation appends) use XLA's dot of
+# the dequantised matrix instead (not measured against the kernel at those sizes).
 KERNEL_MAX_ROWS = 64
 
 
