@@ -59,6 +59,10 @@ def get_config(arg=None):
   config.model.intermediate_size = 256
   config.model.dtype = "float32"
   config.model.family = "llama"  # a fresh decoder's family (models.registered_families())
+  # Training activation memory: "none" keeps every block's activations for the backward pass;
+  # "full" recomputes each block there (saves only the residual stream between blocks: about a
+  # third more compute); "dots" saves the matmul outputs only. Same arithmetic either way.
+  config.model.remat = "none"
   # Decode-step attention: auto (the C++ CPU kernel where it applies and builds, else XLA) | xla | cpu
   config.model.decode_kernel = "auto"
   # The sampler's weights: "none" (the learner's float32) or "int8" (weight-only, per-column scales;

@@ -63,7 +63,37 @@ def get_config(arg=None):
     config.eval.k = 1
     config.checkpoint_every = 1
     config.tensorboard = False
+  elif arg == "cpu_lora":
+    _cpu_lora(config)
   elif arg:
-    raise ValueError(f"unknown config variant {arg!r}; use 'smoke' or nothing.")
+    raise ValueError(f"unknown config variant {arg!r}; use 'smoke', 'cpu_lora' or nothing.")
   config.lock()
   return config
+
+
+def _cpu_lora(config):
+  """The 2-core CPU learning run (experiments/results/smollm2_lora/): LoRA adapters, bf16 compute
+  with float32 master weights and float32 log-prob/loss math, no KL term (its reference would be
+  the base model, which cannot do the task: the warm start lives in the adapters)."""
+  config.num_updates = 14
+  config.model.dtype = "bfloat16"
+  config.model.remat = "full"
+  config.model.lora.rank = 16
+  config.model.lora.alpha = 32.0
+  config.rollout.num_tasks = 6
+  config.rollout.group_size = 4
+  config.rollout.context_length = 832
+  config.rollout.turn_tokens = 48
+  config.loss.kl_coef = 0.0
+  config.optim.learning_rate = 1e-4
+  config.optim.epochs = 1
+  config.optim.minibatches = 2
+  config.optim.length_buckets = 13  # 64-token steps: an oracle episode is ~660 of the 832
+  config.sft.steps = 3
+  config.sft.episodes = 16
+  config.sft.minibatches = 2
+  config.sft.learning_rate = 3e-4
+  config.eval.num_tasks = 64
+  config.eval.k = 1
+  config.checkpoint_every = 2
+  config.tensorboard = False

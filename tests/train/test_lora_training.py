@@ -122,3 +122,29 @@ def test_bf16_compute_keeps_float32_master_weights_and_logprobs(tmp_path, rank):
                   temperature=s.rollout.temperature)
   mask = np.asarray(db.loss_mask) > 0
   assert np.abs(np.asarray(logp) - np.asarray(f32))[mask].mean() < 0.05  # bf16 is close to f32
+
+
+def test_remat_reaches_the_model_and_keeps_the_gradients(tmp_path):
+  """config.model.remat sets the model's rematerialisation; recomputing the blocks in the backward
+  pass changes memory and time, not the log-probs or the adapters' gradients. (Compared on the
+  gradients, not after an update: Adam turns the first update's float noise (advantages 0, the KL
+  to a reference equal to the policy) into full-size steps.)"""
+  s = _learner(tmp_path, **{"sft.steps": 0, "model.remat": "full"})
+  assert s.model_config.remat == "full"
+  state = s.initial_state()
+  batch, _ = s.collect_batch(state.params, 0, 16, Timer())
+  db = to_device(s.trimmed(batch))
+  params = jax.tree.map(lambda x: x + 0.01, state.params)  # adapters away from B = 0
+  mask = jnp.asarray(db.loss_mask, jnp.float32)
+  results = {}
+  for remat in ("none", "full", "dots"):
+    config = s.model_config.replace(remat=remat)
+    loss = lambda trainable, frozen, c=config: -jnp.sum(
+        _logprobs(lora.combine(trainable, frozen), db, config=c, temperature=1.0) * mask)
+    trainable, frozen = lora.partition(params, config)
+    results[remat] = jax.jit(jax.value_and_grad(loss))(trainable, frozen)
+  for remat in ("full", "dots"):
+    np.testing.assert_allclose(results[remat][0], results["none"][0], rtol=1e-6)
+    for name, value in _flat(results["none"][1]).items():
+      np.testing.assert_allclose(_flat(results[remat][1])[name], value, rtol=1e-4, atol=1e-6,
+                                 err_msg=f"{remat} {name}")

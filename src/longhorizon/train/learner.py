@@ -136,6 +136,7 @@ def _policy(config, env) -> tuple[ModelConfig, Any, Any]:
     model_config, params, tokenizer = checkpoint_lib.load(m.checkpoint)
     model_config = dataclasses.replace(model_config, decode_kernel=m.decode_kernel,
                                        dtype=m.get("dtype", "float32"),
+                                       remat=m.get("remat", "none"),
                                        decode_quant=m.get("decode_quant", "none"), **lora_fields)
     params = lora.add_adapters(params, model_config, key(config.seed, 1))
     return model_config, params, env.codec(tokenizer, config.env.style)
@@ -151,7 +152,8 @@ def _policy(config, env) -> tuple[ModelConfig, Any, Any]:
       num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
       num_key_value_heads=m.num_key_value_heads, intermediate_size=m.intermediate_size,
       head_dim=m.hidden_size // m.num_attention_heads, dtype=m.dtype, family=m.family,
-      decode_kernel=m.decode_kernel, decode_quant=m.get("decode_quant", "none"), **lora_fields,
+      decode_kernel=m.decode_kernel, decode_quant=m.get("decode_quant", "none"),
+      remat=m.get("remat", "none"), **lora_fields,
       **moe_fields)
   return model_config, init_params(model_config, key(config.seed, 1)), codec
 
@@ -432,8 +434,8 @@ class Learner:
                  float(np.mean(batch.num_steps)),
                  float(np.asarray(batch.attention_mask).sum(-1).mean()))
     if not c.sft.demo_epsilon and not batch.success.all():
-      logging.warning("oracle SFT episodes: only %.2f succeed (context budget or step limit too "
-                      "small?)", float(batch.success.mean()))
+      logging.warning("oracle SFT episodes: only %.2f succeed (context budget, turn budget "
+                      "rollout.turn_tokens or step limit too small?)", float(batch.success.mean()))
     batch = to_device(self.trimmed(batch))
     sft_opt = make_optimizer(c.sft.learning_rate, max_grad_norm=self.optim.max_grad_norm)
     sft_state = state.replace(opt_state=self.init_opt_state(state.params, sft_opt))
