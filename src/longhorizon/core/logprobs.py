@@ -16,8 +16,6 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from longhorizon.core import matmul
-
 __all__ = ["token_logprobs", "entropy", "token_logprobs_from_hidden"]
 
 _PAD_LOGIT = -1e30
@@ -159,7 +157,7 @@ def token_logprobs_from_hidden(hidden: chex.Array,
   def body(carry, xs):
     m, s, u, target_logit = carry
     w_c, c = xs
-    logits = matmul.einsum("nd,dc->nc", h, w_c, out_dtype=jnp.float32)  # [N, chunk]
+    logits = jnp.dot(h, w_c, preferred_element_type=jnp.float32)  # [N, chunk]
     if softcap:
       logits = softcap * jnp.tanh(logits / softcap)
     logits = logits * inv_temp

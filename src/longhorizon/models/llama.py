@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from longhorizon.core import matmul
 from longhorizon.models import cpu_kernels
 from longhorizon.models import quant
 from longhorizon.models import lora
@@ -224,22 +223,12 @@ def _apply_rope(x, rope):
   return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-def dot_f32(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
-  """`nn.Dense`'s product `x [..., D] @ W [D, F]` through `core.matmul.einsum`: float32
-  accumulation, bf16 x bf16 products in both passes for bf16 compute (why: that module)."""
-  del precision, preferred_element_type, kwargs
-  (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
-  if (tuple(lhs_contract), tuple(rhs_contract)) != ((lhs.ndim - 1,), (0,)) or lhs_batch or rhs_batch:
-    raise ValueError(f"dot_f32: only x[..., D] @ W[D, F] is supported, got {dimension_numbers}.")
-  return matmul.einsum("...d,df->...f", lhs, rhs)
-
-
 def _dense(features, names, config, *, use_bias=False, name=None):
   if config.lora_rank and name in config.lora_targets:
     return LoraDense(features, names, config, use_bias=use_bias, name=name)
   return nn.Dense(
       features, use_bias=use_bias, dtype=jnp.dtype(config.dtype),
-      param_dtype=jnp.dtype(config.param_dtype), dot_general=dot_f32,
+      param_dtype=jnp.dtype(config.param_dtype),
       kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), names),
       bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), names[1:]), name=name)
 
@@ -263,7 +252,7 @@ class LoraDense(nn.Module):
     part = nn.with_logical_partitioning
     kernel = self.param("kernel", part(nn.initializers.normal(0.02), self.names),
                         (x.shape[-1], self.features), jnp.dtype(cfg.param_dtype))
-    y = matmul.einsum("...d,df->...f", x.astype(dtype), kernel.astype(dtype))
+    y = jnp.einsum("...d,df->...f", x.astype(dtype), kernel.astype(dtype))
     if self.use_bias:
       bias = self.param("bias", part(nn.initializers.zeros_init(), self.names[1:]),
                         (self.features,), jnp.dtype(cfg.param_dtype))
@@ -275,8 +264,8 @@ class LoraDense(nn.Module):
     h = x
     if cfg.lora_dropout and self.has_rng("dropout"):
       h = nn.Dropout(cfg.lora_dropout, deterministic=False)(h)
-    delta = matmul.einsum("...d,dr->...r", h.astype(dtype), a.astype(dtype))
-    delta = matmul.einsum("...r,rf->...f", delta, b.astype(dtype))
+    delta = jnp.einsum("...d,dr->...r", h.astype(dtype), a.astype(dtype))
+    delta = jnp.einsum("...r,rf->...f", delta, b.astype(dtype))
     return y + (cfg.lora_scale * delta).astype(y.dtype)
 
 
@@ -336,7 +325,7 @@ class Attention(nn.Module):
     q, k = _apply_rope(q, rope), _apply_rope(k, rope)
     keys, values = k.transpose(0, 2, 1, 3), v.reshape(b, t, kv, hd).transpose(0, 2, 1, 3)
     q = q.reshape(b, t, kv, h // kv, hd)
-    scores = matmul.einsum("btkgd,bksd->bkgts", q, keys, out_dtype=_F32)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, keys, preferred_element_type=_F32)
     if cfg.query_pre_attn_scalar:  # Gemma: scaled by query_pre_attn_scalar^-0.5
       scores = scores * cfg.attention_scale
     else:
@@ -344,7 +333,7 @@ class Attention(nn.Module):
     scores = softcap(scores, cfg.attn_logit_softcapping)
     scores = jnp.where(mask[:, None, None, :, :], scores, -1e30)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    out = matmul.einsum("bkgts,bksd->btkgd", probs, values).reshape(b, t, h * hd)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs, values).reshape(b, t, h * hd)
     return _dense(cfg.hidden_size, ("heads", "embed"), cfg, name="o_proj")(out)
 
 
@@ -382,9 +371,9 @@ def _moe_combine(x, weights, experts, gate, up, down, num_experts: int):
   0: exact, and simple to shard, but E / k times the routed FLOPs (a grouped matmul is the
   accelerator-scale version)."""
   combine = jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=_F32) * weights[..., None], axis=-2)
-  h = nn.silu(matmul.einsum("btd,edf->btef", x, gate)) * matmul.einsum("btd,edf->btef", x, up)
-  out = matmul.einsum("btef,efd->bted", h, down)
-  return matmul.einsum("bte,bted->btd", combine.astype(x.dtype), out)
+  h = nn.silu(jnp.einsum("btd,edf->btef", x, gate)) * jnp.einsum("btd,edf->btef", x, up)
+  out = jnp.einsum("btef,efd->bted", h, down)
+  return jnp.einsum("bte,bted->btd", combine.astype(x.dtype), out)
 
 
 class MoE(nn.Module):

@@ -63,8 +63,8 @@ def _xla(x, w: Int8Weight):
 def matmul(x, w, decode_kernel: str = "auto"):
   """`x [..., I] @ w` for a float matrix or an `Int8Weight` (see the module docstring); the
   kernel runs where `decode_kernel` is not "xla", the compute is float32 and it builds."""
-  if not isinstance(w, Int8Weight):  # float32 accumulation (llama.dot_f32's reason)
-    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.result_type(x, w))
+  if not isinstance(w, Int8Weight):
+    return jnp.dot(x, w)
   rows = math.prod(x.shape[:-1])
   if (decode_kernel == "xla" or x.dtype != jnp.float32 or rows > KERNEL_MAX_ROWS
       or not cpu_kernels.available()):

@@ -92,9 +92,7 @@ def episode_logprobs(params, config: ModelConfig, batch, *, temperature=1.0, chu
   routing = getattr(batch, "routing", None) if config.num_experts else None
   out = Transformer(config).apply({"params": params}, tokens, jnp.asarray(batch.positions),
                                   lengths, compute_logits=False, rngs=rngs, routing=routing)
-  # The unembedding in the compute dtype, as the sampler's `decode_logits` (float32 accumulation).
-  table = unembedding(params, config).astype(out.hidden.dtype)
-  res = lp.token_logprobs_from_hidden(out.hidden[:, :-1], table,
+  res = lp.token_logprobs_from_hidden(out.hidden[:, :-1], unembedding(params, config),
                                       tokens[:, 1:], chunk_size=min(chunk_size, config.vocab_size),
                                       temperature=temperature, return_entropy=return_entropy,
                                       vocab_axis=0 if config.tie_word_embeddings else 1,
