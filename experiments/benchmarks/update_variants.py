@@ -17,7 +17,7 @@ both alike:
 * **LoRA**: baseline full fine-tuning (AdamW over every parameter); variant rank `--lora_rank`
   adapters on every projection (AdamW over the adapters; the base frozen). Same float32 compute.
 * **bf16**: baseline float32 compute; variant bf16 compute with float32 master weights and float32
-  log-prob math (`ModelConfig.dtype`), its products accumulated in float32 (`core/matmul.py`). The
+  log-prob math (`ModelConfig.dtype`) (JAX's own products; the numbers in docs/notes/issue-18.md were taken with `core/matmul.py` wired in). The
   row also gives each dtype's peak matmul rate measured in the same process (float32 `N^3`, and
   bf16 x bf16 -> float32), since on CPUs with AMX the two differ by about 5x.
 
