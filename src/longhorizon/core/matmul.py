@@ -26,6 +26,10 @@ executes some batched bf16 x bf16 -> float32 products outside its fast path and 
 `btef,efd->bted` at `[4, 32, 16, 8] x [16, 8, 16]`), so only unbatched ones (every dense
 projection, the unembedding: most of the FLOPs) take the float32-accumulating VJP.
 
+Not used by the models at present: wired into the dense products it made a SmolLM2 LoRA
+gradient 1.5x faster on that Xeon, and was taken out after a test worker crashed with it in a
+CI run, cause not yet found (docs/notes/issue-18.md).
+
 Specs: two operands, plain letters or one leading `...`, no repeated letter within an operand, and
 every letter of an operand present in the other operand or the output (no letter summed over one
 operand alone), which is what the transposes below need.
@@ -71,7 +75,6 @@ def _mixed_bwd(spec, out_dtype, residuals, g):
   a, b = residuals
   sa, sb, so = _parse(spec)
   g = g.astype(jnp.result_type(a, b))
-  # Sum over the leading `...` dimensions of `a` that `b`'s gradient does not keep.
   ga = jnp.einsum(f"{so},{sb}->{sa}", g, b, preferred_element_type=_F32).astype(a.dtype)
   gb = jnp.einsum(f"{sa},{so}->{sb}", a, g, preferred_element_type=_F32).astype(b.dtype)
   return ga, gb
