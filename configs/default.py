@@ -125,6 +125,7 @@ def get_config(arg=None):
   config.eval.split = "test"
   config.eval.every = 0  # evaluate during training every n updates (0: only before and after)
   config.eval.k = 4  # attempts per task in the warm-start and final evaluations (pass@k, pass^k)
+  config.eval.greedy = True  # also evaluate greedy decoding (False: sampled only, half the cost)
 
   # Curriculum over difficulty buckets (task_difficulty of the train split); 0 buckets: off.
   config.curriculum = ml_collections.ConfigDict()

@@ -22,7 +22,9 @@ What is measured (all in one process, so the ratio shares the machine's state):
 
       6 * N_layers * B * L            (q/k/v/o, gate/up/down of every block: forward 2N, backward 4N)
     + 6 * N_unembed * B * (L - 1)     (the unembedding inside the fused log-prob kernel; L - 1 scored)
-    + 3 * 4 * B * L^2 * H * hd * n_layers  (scores and values over the full causal matrix as computed)
+    + 3 * 4 * B * P(L) * H * hd * n_layers  (scores and values of the P(L) query-key pairs
+                                              computed: `llama.causal_attention` skips the tiles
+                                              above the diagonal, P(512) = 0.625 * 512^2)
 
   times `epochs` (each epoch passes every row once, whatever `minibatches`). `N` comes from the actual
   parameter shapes (every `kernel`, plus the unembedding); the embedding gather, norms, softmax and the
@@ -61,7 +63,7 @@ import numpy as np
 
 import results_io
 from longhorizon.core import episode as episode_lib
-from longhorizon.models import ModelConfig, init_params, tiny_config, unembedding
+from longhorizon.models import ModelConfig, init_params, llama, tiny_config, unembedding
 from longhorizon.train.policy_losses import LossOptions
 from longhorizon.train.update import (LearnInputs, TrainState, episode_logprobs, jit_rl_update,
                                       make_optimizer)
@@ -119,6 +121,14 @@ _SMOKE_SHAPE = Shape(hidden_size=64, layers=2, heads=4, kv_heads=2, intermediate
 
 # -------------------------------------------------------------------------------------------- FLOPs
 
+def attention_pairs(length: int, block: int | None = None) -> int:
+  """(query, key) pairs `llama.causal_attention` scores for one row and head: query block `i` (of
+  `block` queries) scores the keys up to its last query, so the tiles above the diagonal are
+  skipped and those on it are computed whole."""
+  block = block or llama.ATTENTION_BLOCK
+  return sum((min(s + block, length) - s) * min(s + block, length) for s in range(0, length, block))
+
+
 def update_flops(params, config: ModelConfig, batch: int, length: int, epochs: int = 1) -> dict:
   """Analytic FLOPs of one `rl_update` (see the module docstring), counted from parameter shapes.
 
@@ -142,8 +152,10 @@ def update_flops(params, config: ModelConfig, batch: int, length: int, epochs: i
   flops = {
       "layers": 6 * layer_params * tokens,
       "unembed": 6 * unembed_params * scored,
-      # Forward: q.k^T and p.v, 2 * L * L * width each, on the full [L, L] matrix (masked, not skipped).
-      "attention": 3 * 4 * batch * length * length * attention_width * config.num_hidden_layers,
+      # Forward: q.k^T and p.v, 2 * width FLOPs per (query, key) pair each, over the pairs the
+      # block-causal attention computes (the tiles on and below the diagonal).
+      "attention": 3 * 4 * batch * attention_pairs(length) * attention_width
+                   * config.num_hidden_layers,
   }
   flops = {k: v * epochs for k, v in flops.items()}
   model = sum(flops.values())

@@ -36,6 +36,14 @@ def test_update_flops_matches_a_hand_count():
   assert flops["hardware"] == flops["model"] + 1024
 
 
+def test_attention_pairs_count_the_tiles_on_and_below_the_diagonal():
+  """Query blocks of 2 over 5 tokens score keys [0, 2), [0, 4), [0, 5): 2*2 + 2*4 + 1*5 pairs; the
+  default blocks of 128 over 512 tokens compute 10 of the 16 tiles; one block is the full matrix."""
+  assert train_step.attention_pairs(5, block=2) == 4 + 8 + 5
+  assert train_step.attention_pairs(512) == 512 * 512 * 10 // 16
+  assert train_step.attention_pairs(3) == 9
+
+
 def test_update_flops_scales_and_skips_the_embedding_gather():
   config = tiny_config(**TINY)
   base = train_step.update_flops(init_params(config, jax.random.key(0)), config, 2, 3)

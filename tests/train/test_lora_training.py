@@ -3,6 +3,8 @@ alone, the KL reference is the base model with the adapters off, the update comp
 bf16 compute keeps float32 master weights and log-probs."""
 
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -104,10 +106,9 @@ def test_lora_update_is_traced_once(trained, assert_no_retrace):
   assert_no_retrace(s.update_fn(*calls[0][0]), *calls)
 
 
-@pytest.mark.parametrize("rank", [0, 4])
-def test_bf16_compute_keeps_float32_master_weights_and_logprobs(tmp_path, rank):
-  """model.dtype=bfloat16: matmuls and activations in bf16, parameters (the master weights) and
-  log-probs / losses in float32, with and without adapters."""
+def _bf16_check(tmp_path, rank):
+  """The body of `test_bf16_compute_keeps_float32_master_weights_and_logprobs` (run in a fresh
+  interpreter by the test)."""
   s = _learner(tmp_path, **{"model.dtype": "bfloat16", "model.lora.rank": rank, "sft.steps": 2})
   assert s.model_config.dtype == "bfloat16"
   state = s.with_reference(s.warm_start(s.initial_state())[0])
@@ -122,6 +123,22 @@ def test_bf16_compute_keeps_float32_master_weights_and_logprobs(tmp_path, rank):
                   temperature=s.rollout.temperature)
   mask = np.asarray(db.loss_mask) > 0
   assert np.abs(np.asarray(logp) - np.asarray(f32))[mask].mean() < 0.05  # bf16 is close to f32
+
+
+@pytest.mark.parametrize("rank", [0, 4])
+def test_bf16_compute_keeps_float32_master_weights_and_logprobs(tmp_path, rank):
+  """model.dtype=bfloat16: matmuls and activations in bf16, parameters (the master weights) and
+  log-probs / losses in float32, with and without adapters.
+
+  Runs in a fresh interpreter: twice in clean-clone CI runs a long-lived xdist worker segfaulted
+  here, inside libgcc's unwinder walking the EH frames XLA's JIT had registered (an address at a
+  page boundary; BUILD_NOTES, "known gaps"); the check itself passes alone every time."""
+  here = os.path.dirname(os.path.abspath(__file__))
+  code = (f"import sys, pathlib; sys.path.insert(0, {here!r}); import test_lora_training as t; "
+          f"t._bf16_check(pathlib.Path({str(tmp_path)!r}), {rank})")
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=900)
+  assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
 
 
 def test_remat_reaches_the_model_and_keeps_the_gradients(tmp_path):

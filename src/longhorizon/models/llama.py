@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from longhorizon.core import matmul
 from longhorizon.models import cpu_kernels
 from longhorizon.models import quant
 from longhorizon.models import lora
@@ -223,12 +224,24 @@ def _apply_rope(x, rope):
   return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
+def dense_product(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+                  **kwargs):
+  """`nn.Dense`'s product `x [..., D] @ W [D, F]` through `core.matmul.einsum` (its backward pass
+  keeps XLA:CPU from transposing the large cotangent, and runs bf16 products for bf16 compute)."""
+  del precision, preferred_element_type, kwargs
+  (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+  if (tuple(lhs_contract), tuple(rhs_contract)) != ((lhs.ndim - 1,), (0,)) or lhs_batch or rhs_batch:
+    raise ValueError(f"dense_product: only x[..., D] @ W[D, F] is supported, got "
+                     f"{dimension_numbers}.")
+  return matmul.einsum("...d,df->...f", lhs, rhs)
+
+
 def _dense(features, names, config, *, use_bias=False, name=None):
   if config.lora_rank and name in config.lora_targets:
     return LoraDense(features, names, config, use_bias=use_bias, name=name)
   return nn.Dense(
       features, use_bias=use_bias, dtype=jnp.dtype(config.dtype),
-      param_dtype=jnp.dtype(config.param_dtype),
+      param_dtype=jnp.dtype(config.param_dtype), dot_general=dense_product,
       kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), names),
       bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), names[1:]), name=name)
 
@@ -252,7 +265,7 @@ class LoraDense(nn.Module):
     part = nn.with_logical_partitioning
     kernel = self.param("kernel", part(nn.initializers.normal(0.02), self.names),
                         (x.shape[-1], self.features), jnp.dtype(cfg.param_dtype))
-    y = jnp.einsum("...d,df->...f", x.astype(dtype), kernel.astype(dtype))
+    y = matmul.einsum("...d,df->...f", x.astype(dtype), kernel.astype(dtype))
     if self.use_bias:
       bias = self.param("bias", part(nn.initializers.zeros_init(), self.names[1:]),
                         (self.features,), jnp.dtype(cfg.param_dtype))
@@ -264,8 +277,8 @@ class LoraDense(nn.Module):
     h = x
     if cfg.lora_dropout and self.has_rng("dropout"):
       h = nn.Dropout(cfg.lora_dropout, deterministic=False)(h)
-    delta = jnp.einsum("...d,dr->...r", h.astype(dtype), a.astype(dtype))
-    delta = jnp.einsum("...r,rf->...f", delta, b.astype(dtype))
+    delta = matmul.einsum("...d,dr->...r", h.astype(dtype), a.astype(dtype))
+    delta = matmul.einsum("...r,rf->...f", delta, b.astype(dtype))
     return y + (cfg.lora_scale * delta).astype(y.dtype)
 
 
@@ -306,6 +319,39 @@ def _activation(cfg: ModelConfig, x):
   return nn.silu(x)
 
 
+ATTENTION_BLOCK = 128  # query rows per block of `causal_attention`
+
+
+def causal_attention(q, keys, values, mask, cfg: ModelConfig, block: int = ATTENTION_BLOCK):
+  """Grouped-query attention of whole causal sequences, by blocks of `block` queries.
+
+  q `[B, T, KV, G, hd]`, keys / values `[B, KV, T, hd]`, mask `[B, T, T]` (a query never sees a
+  later key). Query block `i` scores only keys `[0, end_i)`, `end_i` its last query + 1: the blocks
+  above the diagonal, which the causal mask hides whole, are never computed (about half of the
+  `T x T` matrix at many blocks). Scores, probabilities and their cotangents stay in the head-major
+  layout `[B, KV, G * block, keys]` that the batched products read without a transpose; only the
+  small `[B, T, H, hd]` queries and outputs are transposed. Equal to one masked softmax over the
+  full matrix (the hidden keys get probability 0 either way). Returns `[B, T, H * hd]`."""
+  b, t, kv, g, hd = q.shape
+  qh = q.transpose(0, 2, 3, 1, 4)  # [B, KV, G, T, hd]
+  outs = []
+  for start in range(0, t, block):
+    end = min(start + block, t)
+    c = end - start
+    scores = jnp.einsum("bkqd,bksd->bkqs", qh[:, :, :, start:end].reshape(b, kv, g * c, hd),
+                        keys[:, :, :end], preferred_element_type=_F32).reshape(b, kv, g, c, end)
+    if cfg.query_pre_attn_scalar:  # Gemma: scaled by query_pre_attn_scalar^-0.5
+      scores = scores * cfg.attention_scale
+    else:
+      scores = scores / math.sqrt(hd)
+    scores = softcap(scores, cfg.attn_logit_softcapping)
+    scores = jnp.where(mask[:, None, None, start:end, :end], scores, -1e30)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(b, kv, g * c, end)
+    outs.append(jnp.einsum("bkqs,bksd->bkqd", probs, values[:, :, :end]).reshape(b, kv, g, c, hd))
+  out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, kv * g * hd)
+
+
 class Attention(nn.Module):
   """Causal grouped-query self-attention over whole sequences (`mask [B, T, T]`)."""
   config: ModelConfig
@@ -324,16 +370,8 @@ class Attention(nn.Module):
       k = _norm(cfg, "k_norm")(k)
     q, k = _apply_rope(q, rope), _apply_rope(k, rope)
     keys, values = k.transpose(0, 2, 1, 3), v.reshape(b, t, kv, hd).transpose(0, 2, 1, 3)
-    q = q.reshape(b, t, kv, h // kv, hd)
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, keys, preferred_element_type=_F32)
-    if cfg.query_pre_attn_scalar:  # Gemma: scaled by query_pre_attn_scalar^-0.5
-      scores = scores * cfg.attention_scale
-    else:
-      scores = scores / math.sqrt(hd)
-    scores = softcap(scores, cfg.attn_logit_softcapping)
-    scores = jnp.where(mask[:, None, None, :, :], scores, -1e30)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    out = jnp.einsum("bkgts,bksd->btkgd", probs, values).reshape(b, t, h * hd)
+    out = causal_attention(q.reshape(b, t, kv, h // kv, hd), keys, values, mask, cfg,
+                           block=ATTENTION_BLOCK)
     return _dense(cfg.hidden_size, ("heads", "embed"), cfg, name="o_proj")(out)
 
 

@@ -417,8 +417,12 @@ class Learner:
     return self._jitted[cache_key]
 
   # ---------------------------------------------------------------------- warm start, evaluation
-  def warm_start(self, state: TrainState) -> tuple[TrainState, dict]:
-    """SFT on oracle episodes of train tasks (the same masks as RL), from `state`'s parameters."""
+  def warm_start(self, state: TrainState, on_step=None) -> tuple[TrainState, dict]:
+    """SFT on oracle episodes of train tasks (the same masks as RL), from `state`'s parameters.
+
+    `on_step(step, params, metrics)`, if given, is called after every step (step 1..sft.steps)
+    with the current parameters (not donated until the next step returns): how a calibration
+    evaluates the warm start as SFT proceeds."""
     c = self.config
     if not c.sft.steps:
       return state, {}
@@ -446,6 +450,8 @@ class Learner:
       # One step in flight: on a multi-device mesh the CPU client deadlocks once a device has 32
       # queued computations with collectives (BUILD_NOTES.md, issue 15, "sharded SFT deadlock").
       jax.block_until_ready(sft_state)
+      if on_step is not None:
+        on_step(step, sft_state.params, metrics)
       if step % every == 0 or step == c.sft.steps:
         logging.info("SFT step %d/%d: nll %.3f, token accuracy %.3f (%.1f s).", step, c.sft.steps,
                      float(metrics["sft_nll"]), float(metrics["sft_token_accuracy"]),

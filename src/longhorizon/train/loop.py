@@ -64,9 +64,12 @@ def eval_seed(config) -> int:
 
 def _evaluate_both(s: Learner, params, seed: int, full: bool = False) -> dict:
   """Sampled (training temperature) and greedy success on `eval.split`; with `full`, the whole
-  evaluation report (`eval.k` attempts per task: pass@k, pass^k, milestones, rates, buckets)."""
+  evaluation report (`eval.k` attempts per task: pass@k, pass^k, milestones, rates, buckets).
+  `greedy_success_rate` is None when `eval.greedy` is off."""
   c = s.config
-  greedy = s.evaluate(params, c.eval.split, c.eval.num_tasks, temperature=0.0, seed=seed)
+  greedy = {"success_rate": None}
+  if c.eval.get("greedy", True):
+    greedy = s.evaluate(params, c.eval.split, c.eval.num_tasks, temperature=0.0, seed=seed)
   if not full:
     sampled = s.evaluate(params, c.eval.split, c.eval.num_tasks,
                          temperature=s.rollout.temperature, seed=seed)
@@ -80,6 +83,11 @@ def _evaluate_both(s: Learner, params, seed: int, full: bool = False) -> dict:
                               seed=seed)
   report["greedy_success_rate"] = greedy["success_rate"]
   return report
+
+
+def _rate(value) -> str:
+  """A success rate for the log (greedy ones are None when `eval.greedy` is off)."""
+  return "off" if value is None else f"{value:.3f}"
 
 
 def make_curriculum(s: Learner, state_dict=None):
@@ -146,8 +154,8 @@ def new_run(s: Learner, state: TrainState, config) -> tuple[TrainState, dict]:
   # RL tasks start after the SFT tasks, so the first updates do not replay the demonstrations.
   meta = {"update": 0, "data_position": config.sft.episodes if config.sft.steps else 0,
           "warm_start": warm, "sft": sft_metrics}
-  logging.info("Warm start: sampled success %.3f, greedy %.3f.", warm["success_rate"],
-               warm["greedy_success_rate"])
+  logging.info("Warm start: sampled success %.3f, greedy %s.", warm["success_rate"],
+               _rate(warm["greedy_success_rate"]))
   return state, meta
 
 

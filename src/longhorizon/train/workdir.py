@@ -50,7 +50,7 @@ MUTABLE = ("num_updates", "eval.", "progress", "tensorboard", "checkpoint_every"
 # Fields added after workdirs were made, with the value that reproduces how runs behaved before
 # them: a saved config without such a field resumes when the new value is this one.
 ADDED_FIELDS: dict[str, Any] = {
-    "model.decode_quant": "none", "model.remat": "none",
+    "model.decode_quant": "none", "model.remat": "none", "eval.greedy": True,
     "model.lora.rank": 0, "model.lora.alpha": 16.0, "model.lora.dropout": 0.0,
     "model.lora.targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                            "down_proj"],
