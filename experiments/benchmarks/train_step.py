@@ -360,7 +360,7 @@ def main(argv):
       dict(name="model FLOPs / update (analytic)", value=_g(counted["model"]),
            reference=f"XLA {_g(xla)} (scans once)"),
       dict(name="  dense layers (6 N_layers B L)", value=_g(counted["layers"])),
-      dict(name="  attention (12 B L^2 H hd n_layers)", value=_g(counted["attention"])),
+      dict(name="  attention (12 B P(L) H hd n_layers)", value=_g(counted["attention"])),
       dict(name="  unembedding (6 N_unembed B (L-1))", value=_g(counted["unembed"])),
       dict(name="  remat recompute (HFU only)", value=_g(counted["recompute"])),
       dict(name="1-layer twin: XLA vs analytic HW", value=f"XLA {_g(twin['xla'])}",

@@ -115,9 +115,30 @@ def test_bf16_backward_products_stay_bf16():
   assert any("f32" in p for p in _dot_operand_types(hlo))
 
 
-def test_float32_is_plain_einsum():
+def test_float32_forward_is_plain_einsum():
   a, b = jnp.asarray(_rand((3, 4), 0), jnp.float32), jnp.asarray(_rand((4, 5), 1), jnp.float32)
   np.testing.assert_array_equal(matmul.einsum("ij,jk->ik", a, b), jnp.einsum("ij,jk->ik", a, b))
+
+
+def _weight_gradient_lhs(einsum):
+  """The left operand's shape of the product that makes the weight gradient of `x @ w` (the one
+  whose output has w's shape), in the jaxpr of the gradient."""
+  x, w = jnp.ones((16, 3), jnp.float32), jnp.ones((3, 8), jnp.float32)
+  jaxpr = jax.make_jaxpr(jax.grad(lambda x, w: jnp.sum(einsum("td,df->tf", x, w) ** 2),
+                                  argnums=1))(x, w)
+  dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+  shapes = [tuple(e.invars[0].aval.shape) for e in dots
+            if tuple(e.outvars[0].aval.shape) in ((3, 8), (8, 3))]
+  assert len(shapes) == 1, shapes
+  return shapes[0]
+
+
+def test_float32_weight_gradient_takes_the_activation_as_left_operand():
+  """The operand order of the module docstring: JAX's own backward contracts the cotangent g
+  [T, F] as the left operand (XLA:CPU then transposes it, the large one); ours puts the
+  activation x [T, D] there. Values are checked by the NumPy-reference test above."""
+  assert _weight_gradient_lhs(jnp.einsum) == (16, 8)  # JAX: g first (what this module avoids)
+  assert _weight_gradient_lhs(matmul.einsum) == (16, 3)  # ours: x first
 
 
 @pytest.mark.parametrize("spec,match", [("ii,ij->j", "repeated"), ("ij,jk->i", "must appear")])
