@@ -97,14 +97,15 @@ def test_config_check_refuses_fixed_fields_with_the_diff_and_records_allowed_one
 
 
 def test_fields_added_since_a_run_started_resume_at_their_old_behaviour(tmp_path):
-  """A workdir saved before `model.moe`, `model.lora`, `model.decode_quant` and `model.remat`
-  existed resumes with their defaults (a dense, fully fine-tuned, float32-sampled model), and is
-  refused when a new field asks for something the old run did not do."""
+  """A workdir saved before `model.moe`, `model.lora`, `model.decode_quant`, `model.remat` and
+  `eval.greedy` existed resumes with their defaults (a dense, fully fine-tuned, float32-sampled
+  model, evaluated greedy too), and is refused when a new field asks for something the old run did
+  not do."""
   work = str(tmp_path)
   workdir_lib.save_config(work, _config(), 0)
   saved = json.loads((tmp_path / "config.json").read_text())
   del saved["model"]["moe"], saved["model"]["lora"], saved["model"]["decode_quant"]
-  del saved["model"]["remat"]
+  del saved["model"]["remat"], saved["eval"]["greedy"]
   (tmp_path / "config.json").write_text(json.dumps(saved))
   changes = workdir_lib.check_config(work, _config(), resuming=True)
   assert changes["model.moe.num_experts"] == ("<missing>", 0)
