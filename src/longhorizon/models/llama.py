@@ -331,7 +331,9 @@ def causal_attention(q, keys, values, mask, cfg: ModelConfig, block: int = ATTEN
   `T x T` matrix at many blocks). Scores, probabilities and their cotangents stay in the head-major
   layout `[B, KV, G * block, keys]` that the batched products read without a transpose; only the
   small `[B, T, H, hd]` queries and outputs are transposed. Equal to one masked softmax over the
-  full matrix (the hidden keys get probability 0 either way). Returns `[B, T, H * hd]`."""
+  full matrix (the hidden keys get probability 0 either way), except for a query that sees no key
+  at all (a padding row past a sliding window), whose output is never used. Returns
+  `[B, T, H * hd]`."""
   b, t, kv, g, hd = q.shape
   qh = q.transpose(0, 2, 3, 1, 4)  # [B, KV, G, T, hd]
   outs = []
