@@ -25,7 +25,8 @@ from longhorizon.train.learner import Learner
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.", lock_config=False)
 _EVAL_AT = flags.DEFINE_list("eval_at", ["2", "4", "6", "8"], "SFT steps after which to evaluate.")
-_EVAL_TASKS = flags.DEFINE_integer("eval_tasks", 32, "Test tasks per evaluation (one attempt each).")
+_EVAL_TASKS = flags.DEFINE_integer("eval_tasks", 32, "Test tasks per evaluation (one attempt each).",
+                                   lower_bound=1)
 _OUT = flags.DEFINE_string("out", None, "JSON file for the rows.")
 flags.mark_flags_as_required(["config"])
 
