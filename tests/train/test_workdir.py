@@ -97,21 +97,25 @@ def test_config_check_refuses_fixed_fields_with_the_diff_and_records_allowed_one
 
 
 def test_fields_added_since_a_run_started_resume_at_their_old_behaviour(tmp_path):
-  """A workdir saved before `model.moe`, `model.lora`, `model.decode_quant`, `model.remat` and
-  `eval.greedy` existed resumes with their defaults (a dense, fully fine-tuned, float32-sampled
-  model, evaluated greedy too), and is refused when a new field asks for something the old run did
-  not do."""
+  """A workdir saved before `model.moe`, `model.lora`, `model.decode_quant`, `model.remat`,
+  `eval.greedy` and the turn-level / EMPG algorithm fields existed resumes with their defaults (a
+  dense, fully fine-tuned, float32-sampled model, evaluated greedy too, token-level advantages
+  without EMPG), and is refused when a new field asks for something the old run did not do."""
   work = str(tmp_path)
   workdir_lib.save_config(work, _config(), 0)
   saved = json.loads((tmp_path / "config.json").read_text())
   del saved["model"]["moe"], saved["model"]["lora"], saved["model"]["decode_quant"]
   del saved["model"]["remat"], saved["eval"]["greedy"]
+  for name in ("unit", "vapo_length", "step_lam", "empg", "empg_k", "empg_k_future", "empg_zeta"):
+    del saved["algorithm"][name]
   (tmp_path / "config.json").write_text(json.dumps(saved))
   changes = workdir_lib.check_config(work, _config(), resuming=True)
   assert changes["model.moe.num_experts"] == ("<missing>", 0)
   assert set(changes) == set(workdir_lib.ADDED_FIELDS)
   with pytest.raises(workdir_lib.ConfigMismatchError, match=r"model.moe.num_experts: '<missing>'"):
     workdir_lib.check_config(work, _config(**{"model.moe.num_experts": 4}), resuming=True)
+  with pytest.raises(workdir_lib.ConfigMismatchError, match=r"algorithm.unit: '<missing>'"):
+    workdir_lib.check_config(work, _config(**{"algorithm.unit": "turn"}), resuming=True)
 
 
 def test_remat_may_change_on_resume(tmp_path):

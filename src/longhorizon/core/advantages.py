@@ -134,7 +134,7 @@ def _gae_scan(rewards, values, mask, gamma, lam, critic_lam=None):
 
 
 @jax.jit
-def gae(rewards: chex.Array, values: chex.Array, mask: chex.Array, *, gamma, lam):
+def gae(rewards: chex.Array, values: chex.Array, mask: chex.Array, *, gamma, lam, critic_lam=None):
   """Generalised advantage estimation over the policy tokens of multi-turn rows.
 
   Recursion over valid positions only (Schulman et al. 2016, "High-Dimensional Continuous Control
@@ -145,7 +145,8 @@ def gae(rewards: chex.Array, values: chex.Array, mask: chex.Array, *, gamma, lam
   where `t'` is the next position with mask 1 (observation tokens in between are skipped: `V_{t'}` and
   `A_{t'}` carry through them) and `V_{t'} = A_{t'} = 0` after the last valid position (no bootstrap:
   rows end in a terminal state or are truncated on purpose). Rewards at mask-0 positions are ignored.
-  `returns = A + V` on valid positions. No whitening here: use `masked_whiten`.
+  `returns = A + V` on valid positions (with `critic_lam`: `GAE(critic_lam) + V`, from the same
+  scan). No whitening here: use `masked_whiten`.
 
   Args:
     rewards: `[B, T]` token rewards.
@@ -153,13 +154,14 @@ def gae(rewards: chex.Array, values: chex.Array, mask: chex.Array, *, gamma, lam
     mask: `[B, T]` 1 on policy tokens.
     gamma: scalar or `[B]` discount per policy token.
     lam: scalar or `[B]` GAE lambda.
+    critic_lam: optional scalar or `[B]` lambda of the value targets (None: `lam`).
 
   Returns:
     `(advantages, returns)`, both `[B, T]` float32 and 0 where `mask` is 0.
   """
   rewards, values, mask = map(jnp.asarray, (rewards, values, mask))
   _check_token_inputs(rewards, values, mask)
-  return _gae_scan(rewards, values, mask, gamma, lam)
+  return _gae_scan(rewards, values, mask, gamma, lam, critic_lam)
 
 
 @jax.jit

@@ -17,7 +17,10 @@ choose by name (`ALGORITHMS[name]`), add one by registering a function. All of t
 | `rloo` | leave-one-out baseline | no |
 | `reinforce_pp` | REINFORCE++-baseline (group mean, token returns, batch whitening) | no |
 | `gigpo` | episode + anchor-state step-group advantages | no |
-| `ppo` | token GAE (`gae`) or VAPO's length-adaptive GAE on a critic | yes |
+| `ppo` | GAE on a critic: over tokens or turns (`unit`), VAPO's length-adaptive lambda (length in tokens or turns), or bi-level GAE | yes |
+
+`empg=True` modulates the step advantages of a critic-free estimator by the policy's step entropy
+(EMPG, `turn_advantages.empg`); the learner then computes per-token entropies before the update.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from longhorizon.core import advantages as adv
+from longhorizon.core import turn_advantages as turn_adv
 from longhorizon.core.episode import EpisodeBatch
 from longhorizon.train.options import DISCOUNT, NON_NEGATIVE, POSITIVE, Options, Range, option
 
@@ -37,7 +41,8 @@ __all__ = ["ALGORITHMS", "ADVANTAGE_KINDS", "Algorithm", "Advantages", "Algorith
            "compute_advantages", "group_filter", "register"]
 
 
-ADVANTAGE_KINDS = ("gae", "length_adaptive_gae")  # ppo's token advantage (see `_ppo`)
+ADVANTAGE_KINDS = ("gae", "length_adaptive_gae", "bilevel_gae")  # ppo's advantage (see `_ppo`)
+UNITS = ("token", "turn")  # what one step of ppo's GAE recursion is
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,16 +52,28 @@ class AlgorithmOptions(Options):
   name: str = option("grpo", choices=lambda: sorted(ALGORITHMS))
   gamma: float = option(1.0, range=DISCOUNT)  # token/step discount (GAE, REINFORCE++)
   lam: float = option(0.95, range=DISCOUNT)  # GAE lambda (ppo with gae)
-  advantage: str = option("gae", choices=ADVANTAGE_KINDS)  # ppo's token advantage
-  # length-adaptive GAE: lambda = 1 - 1 / (alpha * L) (VAPO)
+  advantage: str = option("gae", choices=ADVANTAGE_KINDS)  # ppo's advantage
+  # ppo's gae / length_adaptive_gae recursion over policy tokens or over turns (then `gamma` and
+  # `lam` are per turn, the critic's value of a turn is read at its first token)
+  unit: str = option("token", choices=UNITS)
+  # length-adaptive GAE: lambda = 1 - 1 / (alpha * L) (VAPO: L in tokens, alpha 0.05; with L in
+  # turns an alpha near 1 gives lambda = 1 - 1/L)
   vapo_alpha: float = option(0.05, range=POSITIVE)
-  step_gamma: float = option(0.95, range=DISCOUNT)  # GiGPO step-return discount
+  vapo_length: str = option("tokens", choices=("tokens", "turns"))
+  step_gamma: float = option(0.95, range=DISCOUNT)  # GiGPO step-return / bi-level turn discount
+  step_lam: float = option(1.0, range=DISCOUNT)  # bi-level GAE: the turn-level lambda
   step_weight: float = option(1.0, range=NON_NEGATIVE)  # GiGPO weight of the step-level advantage
   normalize_std: bool = option(True)  # grpo/gigpo: divide by the group std
   filter_zero_std: bool = option(False)  # DAPO dynamic sampling: drop groups with equal scores
   # RAGEN: keep this fraction of groups with the largest score std
   keep_top_groups: float = option(1.0, range=Range(float, 0, 1, low_open=True,
                                                    note="a fraction of groups"))
+  # EMPG (critic-free estimators): A' = g(H_s) A_s + zeta f(H_s'), g = exp(-k h) / mean, f =
+  # exp(-k_future h), h the min-max normalised step entropy (`turn_advantages.empg`)
+  empg: bool = option(False)
+  empg_k: float = option(1.0, range=POSITIVE)
+  empg_k_future: float = option(1.0, range=POSITIVE)
+  empg_zeta: float = option(0.05, range=NON_NEGATIVE)
 
   @property
   def spec(self) -> "Algorithm":
@@ -158,17 +175,50 @@ def _ppo(batch, values, options, weight):
   if values is None:
     raise ValueError("ppo needs critic values; set config.algorithm.name='ppo' with a critic.")
   mask = jnp.asarray(batch.loss_mask, bool) & (weight[:, None] > 0)
-  rewards = batch.token_rewards()
-  if options.advantage == "gae":
-    a, returns = adv.gae(rewards, values, mask, gamma=options.gamma, lam=options.lam)
-  elif options.advantage == "length_adaptive_gae":
-    a, returns = adv.length_adaptive_gae(rewards, values, mask, gamma=options.gamma,
-                                         alpha=options.vapo_alpha)
-  else:
+  if options.advantage not in ADVANTAGE_KINDS:
     raise ValueError(f"algorithm.advantage must be one of {ADVANTAGE_KINDS}, got "
                      f"{options.advantage!r}.")
+  if options.advantage == "bilevel_gae":
+    a, returns = turn_adv.bilevel_gae(batch.rewards, _steps_in_loss(batch, weight), values,
+                                      batch.turn, mask, gamma=options.gamma, lam=options.lam,
+                                      turn_gamma=options.step_gamma, turn_lam=options.step_lam)
+  elif options.unit == "turn":
+    a, returns = _turn_gae(batch, values, options, weight, mask)
+  elif options.advantage == "length_adaptive_gae" and options.vapo_length == "tokens":
+    a, returns = adv.length_adaptive_gae(batch.token_rewards(), values, mask, gamma=options.gamma,
+                                         alpha=options.vapo_alpha)
+  else:  # token GAE with lam, or with VAPO's lambda from the number of turns (critic lambda 1)
+    critic_lam = 1.0 if options.advantage == "length_adaptive_gae" else None
+    a, returns = adv.gae(batch.token_rewards(), values, mask, gamma=options.gamma,
+                         lam=_lambda(batch, options, mask), critic_lam=critic_lam)
   a = adv.masked_whiten(a, mask)
-  return Advantages(a * mask, returns, weight)
+  return Advantages(a * mask, returns * mask, weight)
+
+
+def _steps_in_loss(batch, weight):
+  return jnp.asarray(batch.step_mask, bool) & (weight[:, None] > 0)
+
+
+def _lambda(batch, options, mask):
+  """ppo's GAE lambda: `lam`, or VAPO's per-row length-adaptive one (length in tokens or turns)."""
+  if options.advantage != "length_adaptive_gae":
+    return options.lam
+  if options.vapo_length == "turns":
+    length = jnp.sum(jnp.asarray(batch.step_mask, bool) & jnp.any(mask, axis=1, keepdims=True), -1)
+  else:
+    length = jnp.sum(mask, axis=-1)
+  return turn_adv.adaptive_lambda(length, options.vapo_alpha)
+
+
+def _turn_gae(batch, values, options, weight, mask):
+  """GAE over turns, broadcast to each turn's policy tokens (advantages and value targets)."""
+  steps = _steps_in_loss(batch, weight)
+  step_values = turn_adv.turn_start_values(values, batch.turn, mask, steps)
+  # VAPO's critic uses lambda 1 (Monte-Carlo targets); plain GAE its own lambda.
+  critic_lam = 1.0 if options.advantage == "length_adaptive_gae" else None
+  a, returns = turn_adv.turn_gae(batch.rewards, step_values, steps, gamma=options.gamma,
+                                 lam=_lambda(batch, options, mask), critic_lam=critic_lam)
+  return adv.broadcast_steps(a, batch.turn), adv.broadcast_steps(returns, batch.turn)
 
 
 register(Algorithm("grpo", _grpo, min_group_size=2))
@@ -179,7 +229,28 @@ register(Algorithm("gigpo", _gigpo, min_group_size=2))
 register(Algorithm("ppo", _ppo, needs_critic=True))
 
 
-def compute_advantages(batch: EpisodeBatch, values, options: AlgorithmOptions) -> Advantages:
-  """Filters, then the estimator `options.name`."""
+def compute_advantages(batch: EpisodeBatch, values, options: AlgorithmOptions,
+                       entropy=None) -> Advantages:
+  """Filters, then the estimator `options.name`, then EMPG when `options.empg` (which needs the
+  `[B, L]` per-token `entropy` of the policy that sampled the batch)."""
   weight = group_filter(batch.score, batch.group, batch.trainable, options)
-  return options.spec.fn(batch, values, options, weight)
+  out = options.spec.fn(batch, values, options, weight)
+  if options.empg:
+    out = _empg(batch, out, entropy, options)
+  return out
+
+
+def _empg(batch, out: Advantages, entropy, options: AlgorithmOptions) -> Advantages:
+  """EMPG on the step means of the estimator's token advantages, placed back on the tokens."""
+  if options.spec.needs_critic:
+    raise ValueError(f"algorithm.empg modulates step advantages of critic-free estimators; "
+                     f"{options.name!r} has token-level advantages (use grpo, gigpo, rloo, ...).")
+  if entropy is None:
+    raise ValueError("algorithm.empg needs the per-token entropy of the batch's policy.")
+  mask = jnp.asarray(batch.loss_mask, bool) & (out.row_weight[:, None] > 0)
+  steps = _steps_in_loss(batch, out.row_weight)
+  step_adv = turn_adv.step_means(out.advantages, batch.turn, mask, steps)
+  step_entropy = turn_adv.step_means(entropy, batch.turn, mask, steps)
+  modulated = turn_adv.empg(step_adv, step_entropy, steps, k=options.empg_k,
+                            k_future=options.empg_k_future, zeta=options.empg_zeta)
+  return out._replace(advantages=adv.broadcast_steps(modulated, batch.turn) * mask)

@@ -382,13 +382,19 @@ class Learner:
     """The update's inputs for the device batch `db`: the loss's anchor log-probs (the proximal
     policy's, `state.params` before the update, or the behaviour ones), critic values, advantages
     with their row weights, and the KL reference's log-probs."""
-    old_logp = db.behavior_logprobs
-    if self.loss.spec.anchor == "proximal":
+    old_logp, entropy = db.behavior_logprobs, None
+    if self.algorithm.empg:  # EMPG's step entropies: the current policy's, one extra pass
+      logp, entropy = _logprobs(state.params, db, config=self.model_config,
+                                temperature=self.rollout.temperature,
+                                chunk_size=self.loss.chunk_size, with_entropy=True)
+      if self.loss.spec.anchor == "proximal":
+        old_logp = logp
+    elif self.loss.spec.anchor == "proximal":
       old_logp = self.logprobs(state.params, db)
     values = None
     if self.critic_optimizer is not None:
       values = _critic_values(state.critic_params, self.model_config, db)
-    adv = compute_advantages(db, values, self.algorithm)
+    adv = compute_advantages(db, values, self.algorithm, entropy)
     row_weight = adv.row_weight
     if row_scale is not None:
       row_weight = row_weight * jnp.asarray(row_scale, row_weight.dtype)
