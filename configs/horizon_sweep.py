@@ -21,6 +21,9 @@ Variants (`--config=configs/horizon_sweep.py:VARIANT`):
                  by a process pool; needs the [textworld] extra), grpo and gigpo, one seed.
   smoke          minutes on a CPU: pointer_chain N in {2, 4}, gridworld N=2, grpo and gigpo, one
                  seed, 2 updates.
+  turn_credit    the cpu budget on pointer_chain N = 8, 3 seeds, with the turn-level estimators
+                 of issue 19 beside the v1 PPO rows and GRPO (PPO with turn-level lambda must
+                 not collapse: sampled success at least the warm start's).
 Every run of a cell (env, N, seed) starts from the same SFT warm start (noisy demonstrator,
 epsilon 0.1), so the algorithms differ only in credit assignment; all share every other
 hyperparameter (none is tuned per algorithm).
@@ -35,7 +38,9 @@ from longhorizon.studies import sweeps
 _DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py")
 
 ALGORITHMS = ("grpo", "drgrpo", "rloo", "ppo_gae", "ppo_lagae", "gigpo")
-VARIANTS = ("cpu", "accelerator", "textworld", "smoke")
+VARIANTS = ("cpu", "accelerator", "textworld", "smoke", "turn_credit")
+TURN_CREDIT = ("grpo", "grpo_empg", "ppo_gae", "ppo_lagae", "ppo_turn_gae", "ppo_turn_lagae",
+               "ppo_bilevel")
 
 
 def get_config(arg=None):
@@ -106,6 +111,10 @@ def get_config(arg=None):
     config.pool.backend = "process"
     config.pool.workers = 2
     config.pool.timeout_s = 60.0  # a game missing from the cache is generated on its first reset
+  elif variant == "turn_credit":
+    config.sweep.pointer_chain = (8,)
+    config.sweep.gridworld = ()
+    config.sweep.algorithms = TURN_CREDIT
   elif variant == "smoke":
     config.num_updates = 2
     config.rollout.num_tasks = 4

@@ -54,6 +54,14 @@ ALGORITHMS = {
     "ppo_gae": {"algorithm.name": "ppo", "algorithm.advantage": "gae"},
     "ppo_lagae": {"algorithm.name": "ppo", "algorithm.advantage": "length_adaptive_gae"},
     "gigpo": {"algorithm.name": "gigpo"},
+    # Turn-level credit (issue 19): GAE whose recursion counts turns; VAPO's lambda with the
+    # length in turns (alpha 1: lambda = 1 - 1/turns); bi-level GAE; EMPG on GRPO.
+    "ppo_turn_gae": {"algorithm.name": "ppo", "algorithm.unit": "turn"},
+    "ppo_turn_lagae": {"algorithm.name": "ppo", "algorithm.unit": "turn",
+                       "algorithm.advantage": "length_adaptive_gae",
+                       "algorithm.vapo_length": "turns", "algorithm.vapo_alpha": 1.0},
+    "ppo_bilevel": {"algorithm.name": "ppo", "algorithm.advantage": "bilevel_gae"},
+    "grpo_empg": {"algorithm.name": "grpo", "algorithm.empg": True},
 }
 
 RESULT_FIELDS = ("env", "horizon", "actions", "algorithm", "seed", "updates", "episodes", "tokens",
