@@ -119,3 +119,21 @@ def test_smoke_sweep_writes_results_and_resumes(tmp_path):
   for path in paths.values():
     assert os.path.getsize(path) > 5000
   assert "| pointer_chain | 2 | 3 | grpo | 1 |" in (tmp_path / "summary.md").read_text()
+
+
+def test_every_algorithm_label_gives_a_valid_config_with_its_settings():
+  """Each label of the study (the v1 six and the turn-level ones) validates and sets what it names;
+  the turn_credit variant runs them on pointer_chain N = 8 only."""
+  base = _config("turn_credit")
+  assert tuple(base.sweep.pointer_chain) == (8,) and tuple(base.sweep.gridworld) == ()
+  assert set(base.sweep.algorithms) <= set(horizon.ALGORITHMS)
+  for label, settings in horizon.ALGORITHMS.items():
+    config = horizon.cell_config(base, "pointer_chain", 8, label, seed=1)
+    for path, value in settings.items():
+      node = config
+      for part in path.split("."):
+        node = node[part]
+      assert node == value, (label, path)
+  turn = horizon.cell_config(base, "pointer_chain", 8, "ppo_turn_lagae", seed=0)
+  assert (turn.algorithm.unit, turn.algorithm.vapo_length, turn.algorithm.vapo_alpha) == (
+      "turn", "turns", 1.0)
