@@ -79,7 +79,11 @@ def _cpu_lora(config):
   slower than float32 ones), no KL term (its reference would be the base model, which cannot do the
   task: the warm start lives in the adapters), sampled-only evaluation."""
   config.num_updates = 16
-  config.model.remat = "full"
+  # No rematerialisation (it recomputes the forward pass: ~25% of the update) and 6-row minibatches
+  # to hold the activations (peak RSS: docs/notes/issue-18.md); the sampler's float32 log-probs as
+  # the proximal anchor (sync, unquantised rollouts: the learner's pass would recompute them).
+  config.model.remat = "none"
+  config.loss.reuse_behaviour_logprobs = True
   config.model.lora.rank = 16
   config.model.lora.alpha = 32.0
   config.rollout.num_tasks = 6
@@ -89,7 +93,7 @@ def _cpu_lora(config):
   config.loss.kl_coef = 0.0
   config.optim.learning_rate = 1e-4
   config.optim.epochs = 1
-  config.optim.minibatches = 2
+  config.optim.minibatches = 4
   config.optim.length_buckets = 13  # 64-token steps: an oracle episode is ~660 of the 832
   # Calibrated (experiments/results/smollm2_lora/sft_calibration.json): 3 epochs over 64 distinct
   # demonstrations give 0.22 sampled test success; 16 demonstrations were memorised (0.00 at 6).

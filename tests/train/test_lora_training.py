@@ -23,6 +23,10 @@ default_config = sweeps.config_module(
 
 
 def _learner(tmp_path, **changes):
+  return Learner.build(_config(tmp_path, **changes))
+
+
+def _config(tmp_path, **changes):
   config = default_config.get_config("smoke")
   config.unlock()
   config.tasks.data_dir = str(tmp_path / "tasks")
@@ -32,7 +36,7 @@ def _learner(tmp_path, **changes):
   for path, value in {**base, **changes}.items():
     config_lib.set_path(config, path, value)
   config.lock()
-  return Learner.build(config)
+  return config
 
 
 def _flat(tree):
@@ -165,3 +169,19 @@ def test_remat_reaches_the_model_and_keeps_the_gradients(tmp_path):
     for name, value in _flat(results["none"][1]).items():
       np.testing.assert_allclose(_flat(results[remat][1])[name], value, rtol=1e-4, atol=1e-6,
                                  err_msg=f"{remat} {name}")
+
+
+@pytest.mark.slow
+def test_init_from_a_lora_run_with_another_remat(tmp_path):
+  """A LoRA run starts from another LoRA run's checkpoint under a config that differs only in how
+  it computes (`model.remat`), with the starting state's leaves on the host as NumPy arrays (as a
+  GGUF-loaded base model's are): the policy is the source's final one."""
+  from longhorizon.train import loop  # pylint: disable=g-import-not-at-top
+  base = loop.train_and_evaluate(_config(tmp_path, num_updates=1), str(tmp_path / "base"))
+  s = _learner(tmp_path, num_updates=1, **{"model.remat": "full"})
+  state = s.initial_state()
+  state = state.replace(params=jax.tree.map(np.asarray, state.params))
+  state, meta = loop.start_from(s, state, str(tmp_path / "base"))
+  assert meta["init_from"]["workdir"] == str(tmp_path / "base")
+  assert meta["warm_start"]["success_rate"] == base["success_rate"]
+  assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(state.params))

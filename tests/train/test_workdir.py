@@ -108,6 +108,7 @@ def test_fields_added_since_a_run_started_resume_at_their_old_behaviour(tmp_path
   del saved["model"]["remat"], saved["eval"]["greedy"]
   for name in ("unit", "vapo_length", "step_lam", "empg", "empg_k", "empg_k_future", "empg_zeta"):
     del saved["algorithm"][name]
+  del saved["loss"]["reuse_behaviour_logprobs"]
   (tmp_path / "config.json").write_text(json.dumps(saved))
   changes = workdir_lib.check_config(work, _config(), resuming=True)
   assert changes["model.moe.num_experts"] == ("<missing>", 0)

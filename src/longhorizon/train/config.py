@@ -223,8 +223,18 @@ def _check_rules(config):
 
 
 def _check_off_policy(config):
-  """The asynchronous rollouts against the curriculum."""
+  """The asynchronous rollouts against the curriculum, and the behaviour log-probs as the proximal
+  anchor against anything that makes the sampler's policy differ from the learner's."""
   if config.rollout.mode == "async" and config.curriculum.num_buckets:
     _fail("curriculum.num_buckets", config.curriculum.num_buckets,
           "0 with rollout.mode='async' (the curriculum draws tasks from the learner's latest "
           "success estimates, which the actors run ahead of)")
+  if config.loss.reuse_behaviour_logprobs:
+    if config.rollout.mode == "async":
+      _fail("loss.reuse_behaviour_logprobs", True,
+            "False with rollout.mode='async' (the actors' parameters lag the learner's: the "
+            "proximal log-probs must be recomputed)")
+    if config.model.get("decode_quant", "none") != "none":
+      _fail("loss.reuse_behaviour_logprobs", True,
+            f"False with model.decode_quant={config.model.decode_quant!r} (quantised rollouts "
+            "are not the learner's policy)")

@@ -389,7 +389,7 @@ class Learner:
                                 chunk_size=self.loss.chunk_size, with_entropy=True)
       if self.loss.spec.anchor == "proximal":
         old_logp = logp
-    elif self.loss.spec.anchor == "proximal":
+    elif self.loss.spec.anchor == "proximal" and not self.loss.reuse_behaviour_logprobs:
       old_logp = self.logprobs(state.params, db)
     values = None
     if self.critic_optimizer is not None:

@@ -162,6 +162,8 @@ def new_run(s: Learner, state: TrainState, config) -> tuple[TrainState, dict]:
 # Fields that decide the policy's parameter shapes and vocabulary: a run started from another run's
 # checkpoint (`start_from`) must agree with it on these.
 _PARAMETER_FIELDS = ("model.", "env.name", "env.style")
+# Model fields that change how the parameters are computed with, not what they are.
+_COMPUTE_FIELDS = ("model.remat", "model.decode_kernel", "model.decode_quant", "model.lora.dropout")
 
 
 def start_from(s: Learner, state: TrainState, source: str) -> tuple[TrainState, dict]:
@@ -181,7 +183,8 @@ def start_from(s: Learner, state: TrainState, source: str) -> tuple[TrainState, 
   with open(src_config, encoding="utf-8") as f:
     saved = json.load(f)
   diff = {k: v for k, v in workdir_lib.config_diff(saved, s.config).items()
-          if any(k == f or (f.endswith(".") and k.startswith(f)) for f in _PARAMETER_FIELDS)}
+          if any(k == f or (f.endswith(".") and k.startswith(f)) for f in _PARAMETER_FIELDS)
+          and k not in _COMPUTE_FIELDS}
   if diff:
     lines = "\n".join(f"  {k}: {a!r} (source) -> {b!r} (now)" for k, (a, b) in diff.items())
     raise workdir_lib.WorkdirError(f"--init_from={source}: the source run's model or tokenizer differs from this "
@@ -200,7 +203,9 @@ def start_from(s: Learner, state: TrainState, source: str) -> tuple[TrainState, 
       raise workdir_lib.WorkdirError(f"--init_from={source}: parameter {jax.tree_util.keystr(path)} has shape "
                        f"{np.shape(got.get(path))} in step {step} of {src}, this config builds "
                        f"{leaf.shape}.")
-  params = jax.tree.map(lambda t, x: jax.device_put(jnp.asarray(x, t.dtype), t.sharding),
+  # (a LoRA policy's frozen base leaves may be host NumPy arrays: they have no sharding)
+  params = jax.tree.map(lambda t, x: jax.device_put(jnp.asarray(x, t.dtype),
+                                                    getattr(t, "sharding", None)),
                         state.params, params)
   state = s.with_reference(state.replace(params=params, opt_state=s.init_opt_state(params)))
   origin = {"workdir": src, "step": step, "update": src_meta.get("update"),

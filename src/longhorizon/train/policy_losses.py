@@ -74,6 +74,10 @@ class LossOptions(Options):
   tis_threshold: float = option(0.0, range=Range(float, 0, note="0 = off"))
   value_coef: float = option(0.5, range=NON_NEGATIVE)  # algorithms with a critic
   value_clip: float = option(0.2, range=Range(float, 0, note="0 = no value clipping"))
+  # proximal losses: take the sampler's log-probs as the proximal anchor instead of a forward pass
+  # of the learner. Exact up to float rounding when rollouts are synchronous and unquantised (the
+  # sampler ran the learner's current parameters); refused with async or quantised rollouts.
+  reuse_behaviour_logprobs: bool = option(False)
   chunk_size: int = option(4096, range=COUNT)  # vocabulary chunk of the fused log-prob kernel
   # The constant C of `seq-mean-token-sum-norm` (Dr.GRPO); 0 = the batch's padded length. The
   # learner sets rollout.context_length, so a batch cut to a shorter bucket keeps its loss scale.

@@ -58,7 +58,7 @@ ADDED_FIELDS: dict[str, Any] = {
     "model.moe.intermediate_size": 64, "model.moe.aux_loss_coef": 0.01, "model.moe.replay": True,
     "algorithm.unit": "token", "algorithm.vapo_length": "tokens", "algorithm.step_lam": 1.0,
     "algorithm.empg": False, "algorithm.empg_k": 1.0, "algorithm.empg_k_future": 1.0,
-    "algorithm.empg_zeta": 0.05,
+    "algorithm.empg_zeta": 0.05, "loss.reuse_behaviour_logprobs": False,
 }
 
 
