@@ -25,6 +25,7 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
+from longhorizon.eval import provenance
 from longhorizon.studies import horizon
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/horizon_sweep.py[:variant]",
@@ -65,7 +66,8 @@ def main(argv):
     meta["config"] = json.loads(config.to_json_best_effort())
     meta.setdefault("sessions", []).append({
         "command": " ".join(["python"] + sys.argv), "wall_s": round(time.perf_counter() - started, 1),
-        "devices": [str(d) for d in jax.devices()], "jax": jax.__version__, "cpus": os.cpu_count()})
+        "devices": [str(d) for d in jax.devices()], "jax": jax.__version__, "cpus": os.cpu_count(),
+        "provenance": provenance.provenance()})
     with open(meta_path, "w") as f:
       json.dump(meta, f, indent=1)
   paths = horizon.plot_all(out)

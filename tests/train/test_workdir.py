@@ -266,6 +266,7 @@ def test_resume_with_changed_config_and_init_from(tmp_path):
   assert origin == {"workdir": str(base), "step": 3, "update": 3, "algorithm": "grpo"}
   result = json.loads((branch / "eval.json").read_text())
   assert result["algorithm"] == "rloo" and result["init_from"] == origin
+  assert len(result["provenance"]["commit"]) == 40  # the code it ran on (eval/provenance.py)
   # Its starting policy is the base run's final one: the same evaluation as the base's final.
   assert result["warm_start_success_rate"] == json.loads(
       (base / "eval.json").read_text())["success_rate"]

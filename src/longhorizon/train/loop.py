@@ -44,6 +44,7 @@ import numpy as np
 
 from longhorizon.envs import tasks as task_suites
 from longhorizon.eval import metrics as metrics_lib
+from longhorizon.eval.provenance import provenance
 from longhorizon.eval import runner
 from longhorizon.train import config as config_lib
 from longhorizon.train import workdir as workdir_lib
@@ -369,7 +370,8 @@ def _final_evaluation(s: Learner, config, workdir: str, params, meta: dict) -> d
                  "split": config.eval.split, "eval_tasks": config.eval.num_tasks,
                  "attempts_per_task": config.eval.k, "temperature": config.rollout.temperature,
                  "num_updates": config.num_updates, "env": config.env.name,
-                 "algorithm": config.algorithm.name, "init_from": meta.get("init_from")})
+                 "algorithm": config.algorithm.name, "init_from": meta.get("init_from"),
+                 "provenance": provenance()})
   if jax.process_index() == 0:
     with open(os.path.join(workdir, "eval.json"), "w") as f:
       json.dump(result, f, indent=2, sort_keys=True)

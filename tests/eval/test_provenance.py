@@ -1,0 +1,27 @@
+"""`eval.provenance`: the commit, the tree's state and the package versions a result ran on."""
+
+import subprocess
+
+import jax
+import numpy as np
+
+from longhorizon.eval import provenance as provenance_lib
+
+
+def _git(*args):
+  return subprocess.run(["git", *args], cwd=provenance_lib.__file__.rsplit("/", 1)[0],
+                        capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_commit_dirty_and_versions_are_this_checkouts():
+  p = provenance_lib.provenance()
+  assert p["commit"] == _git("rev-parse", "HEAD") and len(p["commit"]) == 40
+  assert p["dirty"] == bool(_git("status", "--porcelain", "--untracked-files=no"))
+  assert p["packages"]["jax"] == jax.__version__ and p["packages"]["numpy"] == np.__version__
+  assert set(p["packages"]) == set(provenance_lib.PACKAGES) and p["cpus"] >= 1 and p["cpu"]
+
+
+def test_outside_a_checkout_the_commit_is_unknown_not_invented(monkeypatch):
+  monkeypatch.setattr(provenance_lib, "_git", lambda *args: None)
+  p = provenance_lib.provenance()
+  assert p["commit"] is None and p["dirty"] is None and p["packages"]["jax"] == jax.__version__
