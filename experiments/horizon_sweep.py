@@ -58,6 +58,7 @@ def main(argv):
     print(f"{len(cells)} cells x {len(config.sweep.algorithms)} algorithms; devices "
           f"{jax.devices()}", flush=True)
     started = time.perf_counter()
+    source = provenance.provenance()  # the code as the session starts (the tree may change later)
     horizon.run_sweep(config, cells, list(config.sweep.algorithms), out,
                       log=lambda line: print(line, flush=True))
     os.makedirs(out, exist_ok=True)
@@ -67,7 +68,7 @@ def main(argv):
     meta.setdefault("sessions", []).append({
         "command": " ".join(["python"] + sys.argv), "wall_s": round(time.perf_counter() - started, 1),
         "devices": [str(d) for d in jax.devices()], "jax": jax.__version__, "cpus": os.cpu_count(),
-        "provenance": provenance.provenance()})
+        "provenance": source})
     with open(meta_path, "w") as f:
       json.dump(meta, f, indent=1)
   paths = horizon.plot_all(out)
