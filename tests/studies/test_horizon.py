@@ -137,3 +137,32 @@ def test_every_algorithm_label_gives_a_valid_config_with_its_settings():
   turn = horizon.cell_config(base, "pointer_chain", 8, "ppo_turn_lagae", seed=0)
   assert (turn.algorithm.unit, turn.algorithm.vapo_length, turn.algorithm.vapo_alpha) == (
       "turn", "turns", 1.0)
+
+
+REFERENCE = ROOT / "experiments" / "results" / "horizon_sweep_smoke_reference"
+
+
+@pytest.mark.slow
+def test_committed_smoke_cell_reproduces_exactly(tmp_path):
+  """The committed reference cell (its README) rerun here gives the same row, every column but
+  the wall time, when this machine's CPU model and package versions are the ones it was made with;
+  otherwise the reference is stale for this machine and the test says how to refresh it."""
+  import csv  # pylint: disable=g-import-not-at-top
+  import json  # pylint: disable=g-import-not-at-top
+  from longhorizon.eval import provenance  # pylint: disable=g-import-not-at-top
+  session = json.loads((REFERENCE / "sweep.json").read_text())["sessions"][-1]
+  made, here = session["provenance"], provenance.provenance()
+  if (made["cpu"], made["packages"]) != (here["cpu"], here["packages"]):
+    pytest.skip(f"the reference was made on {made['cpu']!r} with {made['packages']}, this machine "
+                f"is {here['cpu']!r} with {here['packages']}: stale here; refresh it with the "
+                f"command in {REFERENCE / 'README.md'}")
+  config = _config("smoke")
+  config.unlock()
+  config.sweep.pointer_chain, config.sweep.gridworld = (), (2,)
+  horizon.run_sweep(config, [horizon.Cell("gridworld", 2, 0)], list(config.sweep.algorithms),
+                    str(tmp_path))
+  read = lambda path: [{k: v for k, v in row.items() if k != "wall_s"}
+                       for row in csv.DictReader(open(path, encoding="utf-8"))]
+  want, got = read(REFERENCE / "results.csv"), read(tmp_path / "results.csv")
+  assert [r["algorithm"] for r in want] == ["grpo", "gigpo"]
+  assert got == want, "the cell's numbers changed: see experiments/results/horizon_sweep_smoke_reference/README.md"
