@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import platform
 import sys
 import time
 
@@ -47,6 +46,7 @@ import results_io  # noqa: E402
 from longhorizon import envs  # noqa: E402
 from longhorizon.envs.host import HostEnvironment, Observation, StepResult  # noqa: E402
 from longhorizon.envs.pool import EnvPool, factory_of  # noqa: E402
+from longhorizon.eval.provenance import cpu_model  # noqa: E402
 from longhorizon.train.async_rollout import AsyncRollouts  # noqa: E402
 from longhorizon.train.learner import Learner  # noqa: E402
 from longhorizon.train.metrics import Timer  # noqa: E402
@@ -275,17 +275,6 @@ def measure_training(updates: int, warmup: int = 1, actors: int = 2, max_stalene
 
 
 # ---------------------------------------------------------------------------------------- report
-def cpu_model() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
-
-
 def format_tables(latency: list[dict], overhead: list[dict], training: list[dict]) -> str:
   lines = []
   if latency:

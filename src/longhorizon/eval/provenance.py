@@ -14,7 +14,7 @@ import platform
 import subprocess
 import sys
 
-__all__ = ["provenance", "PACKAGES"]
+__all__ = ["provenance", "cpu_model", "PACKAGES"]
 
 # The packages whose versions can change a run's numbers.
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy", "orbax-checkpoint", "ml-collections")
@@ -37,7 +37,8 @@ def _version(name: str) -> str | None:
     return None
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+  """The CPU's model name (`/proc/cpuinfo`), else what `platform` knows."""
   try:
     with open("/proc/cpuinfo", encoding="utf-8") as f:
       for line in f:
@@ -59,4 +60,4 @@ def provenance() -> dict:
   return {"commit": commit, "dirty": None if status is None else bool(status),
           "python": sys.version.split()[0],
           "packages": {name: _version(name) for name in PACKAGES},
-          "platform": platform.platform(), "cpu": _cpu_model(), "cpus": os.cpu_count()}
+          "platform": platform.platform(), "cpu": cpu_model(), "cpus": os.cpu_count()}
