@@ -263,8 +263,8 @@ def test_bilevel_with_unit_lambdas_gives_the_turn_advantage_on_first_tokens(rng)
 
 
 def test_empg_with_equal_entropies_only_centres(rng):
-  """Equal step entropies: every scale is 1 and every bonus equal, so EMPG is the centred input
-  (up to the bonus, which the centring removes only where every step has a successor)."""
+  """Equal step entropies and no bonus (zeta 0): every scale is 1, so EMPG is the input centred
+  over the valid steps."""
   _, _, step_mask = random_turns(rng)
   adv = rng.normal(size=(B, S)).astype(np.float32)
   got = np.asarray(ta.empg(adv, np.ones((B, S), np.float32), step_mask, zeta=0.0))
