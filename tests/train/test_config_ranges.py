@@ -96,9 +96,11 @@ def _candidates(path, valid: config_lib.Range):
 
 
 # Fields whose valid values only change cost or shape, not correctness: drawn small so an example
-# runs in seconds.
+# runs in seconds. (A context shorter than the task prompt plus one turn, 43 tokens here, depends
+# on the environment's text, so `validate` cannot see it; `collect` refuses it, naming
+# rollout.context_length.)
 _SMALL = {"model.hidden_size": [8, 16, 32], "model.intermediate_size": [8, 32],
-          "rollout.context_length": [24, 48, 96], "rollout.turn_tokens": [1, 2, 6],
+          "rollout.context_length": [48, 96], "rollout.turn_tokens": [1, 2, 6],
           "tasks.train_size": [1, 4, 64], "tasks.test_size": [1, 4], "tasks.ood_size": [1, 4],
           "num_updates": [1], "eval.num_tasks": [1, 4], "sft.steps": [0, 1, 2],
           "sft.episodes": [0, 1, 4, 8], "eval.every": [0, 1], "env.max_steps": [1, 2, 6],

@@ -98,7 +98,13 @@ def test_rollout_config_fields_come_from_the_config():
   rc = RolloutOptions.from_config(config).collect_config(config.env.max_steps)
   assert dataclasses.asdict(rc) == {"group_size": 4, "context_length": 200, "max_steps": 7,
                                     "turn_tokens": 9, "temperature": 0.7, "top_k": 5,
-                                    "top_p": 0.9}
+                                    "top_p": 0.9, "branch_k": 0, "branch_at": "uniform"}
+  branched = _parse("--config.rollout.group_size=4", "--config.rollout.branch_k=1",
+                    "--config.rollout.branch_at=max_entropy")
+  options = RolloutOptions.from_config(branched)
+  assert options.collect_config(5).branch_k == 0  # evaluation and SFT episodes never branch
+  rc = options.collect_config(5, branch=True)
+  assert (rc.branch_k, rc.branch_at, rc.branch_roots) == (1, "max_entropy", 2)
   assert {f.name for f in dataclasses.fields(RolloutConfig)} == set(dataclasses.asdict(rc))
 
 

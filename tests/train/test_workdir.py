@@ -98,7 +98,7 @@ def test_config_check_refuses_fixed_fields_with_the_diff_and_records_allowed_one
 
 def test_fields_added_since_a_run_started_resume_at_their_old_behaviour(tmp_path):
   """A workdir saved before `model.moe`, `model.lora`, `model.decode_quant`, `model.remat`,
-  `eval.greedy` and the turn-level / EMPG algorithm fields existed resumes with their defaults (a
+  `eval.greedy`, the turn-level / EMPG algorithm fields and branch rollouts existed resumes with their defaults (a
   dense, fully fine-tuned, float32-sampled model, evaluated greedy too, token-level advantages
   without EMPG), and is refused when a new field asks for something the old run did not do."""
   work = str(tmp_path)
@@ -109,6 +109,7 @@ def test_fields_added_since_a_run_started_resume_at_their_old_behaviour(tmp_path
   for name in ("unit", "vapo_length", "step_lam", "empg", "empg_k", "empg_k_future", "empg_zeta"):
     del saved["algorithm"][name]
   del saved["loss"]["reuse_behaviour_logprobs"]
+  del saved["rollout"]["branch_k"], saved["rollout"]["branch_at"]
   (tmp_path / "config.json").write_text(json.dumps(saved))
   changes = workdir_lib.check_config(work, _config(), resuming=True)
   assert changes["model.moe.num_experts"] == ("<missing>", 0)

@@ -87,6 +87,12 @@ class EpisodeBatch:
   env_seed: Any = _array("B", np.uint32)  # environment-dynamics seed
   task_seed: Any = _array("B", np.uint32)  # task-generation seed
   sampling_seed: Any = _array("B", np.uint32)  # policy-sampling seed
+  # Branch rollouts (`rollout.collect` with `branch_k > 0`): row `i` was forked from row
+  # `parent[i]` (an index into this batch, smaller than `i`) just before that row's step
+  # `branch_step[i]`: it shares the parent's states and actions of the steps before, which it holds
+  # as copies with loss_mask 0 (they are the parent's to train on). -1 / -1 for a root episode.
+  parent: Any = _array("B", np.int32, fill=-1)
+  branch_step: Any = _array("B", np.int32, fill=-1)
   reward_components: Mapping[str, Any] = flax.struct.field(default_factory=dict)  # name -> [B] float32
   # Mixture-of-experts policies: `[B, L, layers, k]` int32, the experts the sampler routed each token
   # to (0 on padding); the learner replays them (routing replay, R3). None otherwise.
@@ -153,9 +159,12 @@ class EpisodeBatch:
     _check((step_mask.sum(-1) == num_steps).all(), "num_steps", "differs from step_mask.sum(-1)")
     _check((step_mask == (np.arange(s)[None] < num_steps[:, None])).all(), "step_mask",
            "is not a prefix of steps (1 for the first num_steps steps, 0 after)")
+    _check_tree(fields["parent"], fields["branch_step"], fields["num_steps"])
     policy_turn = np.where(loss_mask, turn, -1)
     has_tokens = (policy_turn[:, :, None] == np.arange(s)[None, None]).any(1)  # [B, S]
-    _check(not (step_mask & ~has_tokens).any(), "step_mask", "marks a step without any policy token")
+    own = np.arange(s)[None, :] >= fields["branch_step"][:, None]  # a branch's copies have none
+    _check(not (step_mask & own & ~has_tokens).any(), "step_mask",
+           "marks a step without any policy token")
     _check(not (~step_mask & has_tokens).any(), "turn", "puts policy tokens in a step step_mask says "
            "did not happen")
     _check(not (fields["terminated"] & fields["truncated"]).any(), "terminated",
@@ -196,6 +205,19 @@ def _infer_dims(fields):
 
 def _fmt(dims, values):
   return "[" + ", ".join(dims) + "]=" + str(values)
+
+
+def _check_tree(parent, branch_step, num_steps):
+  """The branch-rollout fields: roots have parent -1 and branch step -1; a branch's parent is an
+  earlier row that took the branch step, which the branch took too."""
+  b, root = len(parent), parent < 0
+  _check(((parent >= -1) & (parent < np.arange(b))).all(), "parent",
+         "has values outside [-1, own row index)")
+  _check((root == (branch_step < 0)).all() and (branch_step >= -1).all(), "branch_step",
+         "is not -1 exactly on root rows (parent -1)")
+  p = np.where(root, 0, parent)
+  _check((root | ((branch_step < num_steps[p]) & (branch_step < num_steps))).all(), "branch_step",
+         "is not a step both the branch and its parent took")
 
 
 def _check(ok, field, problem):

@@ -2,11 +2,12 @@
 turn-by-turn rendering of recorded episodes. Rewards are the environment's `RewardSpec`
 (`envs/rewards.py`)."""
 
-from longhorizon.rollout.collect import RolloutConfig, RolloutStats, collect, oracle_turns
+from longhorizon.rollout.collect import (BRANCH_POINTS, RolloutConfig, RolloutStats, collect,
+                                         oracle_turns)
 from longhorizon.rollout.multihost import allgather_rows, collect_across_processes, process_share
 from longhorizon.rollout.render import render_episode
 from longhorizon.rollout.versions import env_version, reward_version
 
-__all__ = ["RolloutConfig", "RolloutStats", "collect", "oracle_turns",
+__all__ = ["BRANCH_POINTS", "RolloutConfig", "RolloutStats", "collect", "oracle_turns",
            "render_episode", "collect_across_processes", "allgather_rows", "process_share",
            "env_version", "reward_version"]

@@ -25,9 +25,9 @@ class EpisodeBuffer:
   done: np.ndarray  # [B] bool, the row takes no more turns
   next_anchor: np.ndarray  # [B] uint32 anchor of the state each row's next action is taken in
   invalid: np.ndarray  # [B, S] bool, the step's action was malformed or rejected
-  unauthorized: np.ndarray  # [B] int32 forbidden calls (ErrorCode.NOT_ALLOWED answers)
-  faulted: np.ndarray  # [B] bool, saw a recoverable injected fault (not an env error)
-  looped: np.ndarray  # [B] bool, the loop detector fired
+  unauthorized: np.ndarray  # [B, S] bool, the step's call was forbidden (ErrorCode.NOT_ALLOWED)
+  faulted: np.ndarray  # [B, S] bool, the step met a recoverable injected fault (not an env error)
+  looped: np.ndarray  # [B, S] bool, the loop detector fired at the step
   num_milestones: int  # M: bits of the `milestones` bitmask
   env_reward: np.ndarray | None = None  # [B, S] a host environment's own step rewards
 
@@ -41,24 +41,60 @@ class EpisodeBuffer:
     for r, p in enumerate(prompts):
       batch.tokens[r, :len(p)] = p
     batch.attention_mask[np.arange(context_length)[None, :] < end[:, None]] = True
+    steps = lambda: np.zeros((b, max_steps), bool)
     return cls(batch=batch, end=end, done=np.zeros((b,), bool), next_anchor=np.asarray(anchor),
-               invalid=np.zeros((b, max_steps), bool), unauthorized=np.zeros((b,), np.int32),
-               faulted=np.zeros((b,), bool), looped=np.zeros((b,), bool),
+               invalid=steps(), unauthorized=steps(), faulted=steps(), looped=steps(),
                num_milestones=num_milestones)
+
+  def fork(self, parents: np.ndarray, steps: np.ndarray) -> "EpisodeBuffer":
+    """Branch rows: row `i` copies row `parents[i]` up to the start of its step `steps[i]` (the
+    tokens before that turn's first policy token, the records of the steps before), with loss_mask
+    0 and behaviour log-probs 0 on the copies (they are the parent's samples); it takes step
+    `steps[i]` next, from the parent's state there."""
+    parents, steps = np.asarray(parents, np.int64), np.asarray(steps, np.int64)
+    src = self.batch
+    starts = np.array([self.turn_start(p, t) for p, t in zip(parents, steps)], np.int32)
+    copy = lambda x: np.asarray(x)[parents].copy()
+    batch = src.replace(**{name: copy(getattr(src, name)) for name in _ROW_FIELDS})
+    token_kept = np.arange(batch.tokens.shape[1])[None, :] < starts[:, None]
+    step_kept = np.arange(batch.step_mask.shape[1])[None, :] < steps[:, None]
+    for name in _TOKEN_FIELDS:
+      x = getattr(batch, name)
+      x[~token_kept] = -1 if name == "turn" else 0
+    batch.loss_mask[:] = False
+    batch.behavior_logprobs[:] = 0.0
+    for name in _STEP_FIELDS:
+      getattr(batch, name)[~step_kept] = 0
+    b = len(parents)
+    per_step = {name: copy(getattr(self, name)) & step_kept for name in
+                ("invalid", "unauthorized", "faulted", "looped")}
+    env_reward = (None if self.env_reward is None
+                  else np.where(step_kept, copy(self.env_reward), 0.0).astype(np.float32))
+    return EpisodeBuffer(batch=batch, end=starts, done=np.zeros((b,), bool),
+                         next_anchor=np.asarray(src.anchor)[parents, steps], **per_step,
+                         num_milestones=self.num_milestones, env_reward=env_reward)
+
+  def turn_start(self, r: int, t: int) -> int:
+    """The position of row `r`'s first policy token of step `t` (where that turn's prefix ends)."""
+    at = np.flatnonzero(self.batch.loss_mask[r] & (self.batch.turn[r] == t))
+    if not len(at):
+      raise ValueError(f"row {r} has no policy token at step {t}: it cannot branch there.")
+    return int(at[0])
 
   def budgets(self, turn_tokens: int) -> np.ndarray:
     """`[B]` int32 tokens each row may sample this turn: `turn_tokens`, less if the context ends
     sooner (one slot stays free for an end of turn)."""
     return np.minimum(turn_tokens, self.batch.context_length - self.end - 1).astype(np.int32)
 
-  def write_turn(self, t: int, active, tokens, logprobs, lengths) -> int:
-    """Appends turn `t` of each `active` row: `tokens[r, :lengths[r]]` as sampled tokens (loss 1,
-    behaviour log-probs `logprobs[r, :lengths[r]]`). Returns the number of tokens written."""
-    written = 0
+  def write_turn(self, t, active, tokens, logprobs, lengths) -> int:
+    """Appends turn `t` (an int, or `[B]` per row) of each `active` row: `tokens[r, :lengths[r]]`
+    as sampled tokens (loss 1, behaviour log-probs `logprobs[r, :lengths[r]]`). Returns the number
+    of tokens written."""
+    written, t = 0, _per_row(t, len(active))
     for r in np.nonzero(active)[0]:
       k = int(lengths[r])
       if k:
-        self._write(r, t, tokens[r, :k], logprobs[r, :k])
+        self._write(r, t[r], tokens[r, :k], logprobs[r, :k])
         written += k
     return written
 
@@ -77,11 +113,12 @@ class EpisodeBuffer:
       out.behavior_logprobs[r, s] = logprobs
     self.end[r] += len(ids)
 
-  def record_step(self, t: int, active, ts: TimeStep, env_reward=None) -> np.ndarray:
-    """Records environment step `t` of the `active` rows from the host time step `ts` (`[B]`
-    leaves) and, for a host environment, its own step rewards `env_reward` (`[B]`); the rows it
-    ended are done, with their outcome. Returns those rows (`[B]` bool)."""
+  def record_step(self, t, active, ts: TimeStep, env_reward=None) -> np.ndarray:
+    """Records environment step `t` (an int, or `[B]` per row) of the `active` rows from the host
+    time step `ts` (`[B]` leaves) and, for a host environment, its own step rewards `env_reward`
+    (`[B]`); the rows it ended are done, with their outcome. Returns those rows (`[B]` bool)."""
     rows, out = np.nonzero(active)[0], self.batch
+    t = _per_row(t, len(active))[rows]
     if env_reward is not None:
       if self.env_reward is None:
         self.env_reward = np.zeros(out.step_mask.shape, np.float32)
@@ -94,9 +131,9 @@ class EpisodeBuffer:
     out.violation[rows, t] = ts.violation[rows]
     out.env_error[rows, t] = ts.env_error[rows]
     self.invalid[rows, t] = ts.invalid_action[rows]
-    self.unauthorized[rows] += (ts.observation["error"][rows] == ErrorCode.NOT_ALLOWED)
-    self.faulted[rows] |= (ts.fault[rows] != 0) & ~ts.env_error[rows]
-    self.looped[rows] |= ts.loop[rows]
+    self.unauthorized[rows, t] = ts.observation["error"][rows] == ErrorCode.NOT_ALLOWED
+    self.faulted[rows, t] = (ts.fault[rows] != 0) & ~ts.env_error[rows]
+    self.looped[rows, t] = ts.loop[rows]
     self.next_anchor = np.asarray(ts.anchor)
     finished = active & ts.done
     rows = np.nonzero(finished)[0]
@@ -130,8 +167,23 @@ class EpisodeBuffer:
   def episode_info(self) -> dict:
     """Per-episode facts for evaluation (`[B]` arrays; see `RolloutStats.episode_info`)."""
     return {"tool_calls": self.batch.step_mask.sum(-1).astype(np.int32),
-            "invalid_actions": self.invalid.sum(-1), "unauthorized": self.unauthorized,
-            "faulted": self.faulted, "loop": self.looped}
+            "invalid_actions": self.invalid.sum(-1),
+            "unauthorized": self.unauthorized.sum(-1).astype(np.int32),
+            "faulted": self.faulted.any(-1), "loop": self.looped.any(-1)}
+
+
+def _per_row(t, b: int) -> np.ndarray:
+  """`[B]` int step index of each row from an int or a `[B]` array."""
+  return np.broadcast_to(np.asarray(t, np.int64), (b,))
+
+
+# What `fork` copies of a parent row: every per-row field of the batch being filled.
+_TOKEN_FIELDS = ("tokens", "positions", "attention_mask", "loss_mask", "turn", "behavior_logprobs")
+_STEP_FIELDS = ("rewards", "step_mask", "anchor", "milestones", "cost", "violation", "env_error")
+_ROW_FIELDS = _TOKEN_FIELDS + _STEP_FIELDS + (
+    "group", "success", "terminated", "truncated", "termination", "num_steps", "score",
+    "policy_version", "env_version", "reward_version", "env_seed", "task_seed", "sampling_seed",
+    "parent", "branch_step")
 
 
 def _termination(ts: TimeStep) -> np.ndarray:

@@ -59,7 +59,7 @@ from longhorizon.envs.pool import pool_for
 from longhorizon.envs.types import ErrorCode
 from longhorizon.rollout.versions import env_version, reward_version
 
-__all__ = ["RolloutConfig", "RolloutStats", "collect", "oracle_turns"]
+__all__ = ["BRANCH_POINTS", "RolloutConfig", "RolloutStats", "collect", "oracle_turns"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,11 +72,28 @@ class RolloutConfig:
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
+  # Branch rollouts: each root episode is forked once, at a step chosen by `branch_at` (see
+  # `BRANCH_POINTS`), into `branch_k` continuations; `group_size` stays the number of episodes per
+  # task (roots x (1 + branch_k)), so the budget equals the unbranched one. 0 = off.
+  branch_k: int = 0
+  branch_at: str = "uniform"
 
   def __post_init__(self):
     for name in ("group_size", "context_length", "max_steps", "turn_tokens"):
       if int(getattr(self, name)) < 1:
         raise ValueError(f"RolloutConfig.{name} must be >= 1, got {getattr(self, name)}.")
+    if self.branch_k < 0 or self.group_size % (1 + self.branch_k):
+      raise ValueError(f"RolloutConfig.branch_k={self.branch_k}: group_size={self.group_size} "
+                       f"episodes per task must be roots x (1 + branch_k) with branch_k >= 0; "
+                       f"choose a branch_k + 1 that divides group_size.")
+    if self.branch_at not in BRANCH_POINTS:
+      raise ValueError(f"RolloutConfig.branch_at must be one of {sorted(BRANCH_POINTS)}, got "
+                       f"{self.branch_at!r}.")
+
+  @property
+  def branch_roots(self) -> int:
+    """Root episodes per task: `group_size / (1 + branch_k)`."""
+    return self.group_size // (1 + self.branch_k)
 
   def sampling(self, stop_token_ids) -> sampler.SamplingParams:
     return sampler.SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
@@ -164,18 +181,44 @@ def collect(params, model_config: ModelConfig, env: Environment, codec, tasks: A
       sleeps there to simulate tool latency).
   """
   reward, stats = env.reward_spec, RolloutStats()
-  n = _num_tasks(tasks)
-  task_of_row = np.repeat(np.arange(n), config.group_size)
+  n, g = _num_tasks(tasks), config.group_size
+  roots = config.branch_roots
+  task_of_row = np.repeat(np.arange(n), roots)
+  row_ids = row_offset + (task_of_row * g + np.tile(np.arange(roots), n))  # their ids in [N*G]
   rows_keys = jnp.asarray(env_keys)[task_of_row]
+  if config.branch_k and is_host(env):
+    raise ValueError(f"rollout.branch_k: branch rollouts need a JAX environment (their state is "
+                     f"a pytree to copy); {type(env).__name__} is a host environment.")
   rows = (_HostRows(env, codec) if is_host(env) else _JaxRows(env, codec))
+  rows.keep_history = config.branch_k > 0
   with _timed(stats, "env_s"):
     prompts, anchors = rows.start(tasks, task_of_row, rows_keys, config, stats)
   buffer = EpisodeBuffer.start(prompts, config.context_length, config.max_steps, anchors,
                                env.num_milestones)
   with _timed(stats, "generation_s"):
     policy = (_ScriptedPolicy(scripted, config, codec) if scripted else
-              _ModelPolicy(params, model_config, config, codec, prompts, sampling_seed, row_offset))
-  for t in range(config.max_steps):
+              _ModelPolicy(params, model_config, config, codec, prompts, sampling_seed, row_ids))
+  _run_turns(buffer, policy, rows, codec, config, stats, np.zeros(len(prompts), np.int64),
+             on_env_step)
+  labels = dict(policy_version=policy_version, task_seed=task_seed, sampling_seed=sampling_seed)
+  with _timed(stats, "host_s"):
+    env_seed = np.asarray(jax.random.key_data(rows_keys))[:, -1]
+    batch = _finish(buffer, policy, env, reward, task_of_row + group_offset, env_seed, labels)
+    stats.episode_info = dict(rows.episode_info(), **buffer.episode_info())
+  if config.branch_k:
+    batch = _branch(batch, buffer, policy, rows, env, codec, config, stats, row_ids, labels,
+                    on_env_step)
+  with _timed(stats, "host_s"):
+    stats.episodes = batch.batch_size
+    stats.extra.update(rows.finish())
+  return batch, stats
+
+
+def _run_turns(buffer: EpisodeBuffer, policy, rows, codec, config: RolloutConfig,
+               stats: RolloutStats, steps: np.ndarray, on_env_step=None) -> None:
+  """The turn loop: every row that is not done takes its next step (`steps[r]`, counted per row)
+  until every row is done or has taken `config.max_steps` steps."""
+  for _ in range(config.max_steps):
     active = ~buffer.done
     if not active.any():
       break
@@ -183,28 +226,113 @@ def collect(params, model_config: ModelConfig, env: Environment, codec, tasks: A
     with _timed(stats, "generation_s"):
       turn = policy.turn(rows.states(active), active, buffer.budgets(config.turn_tokens))
     with _timed(stats, "host_s"):
-      stats.sampled_tokens += buffer.write_turn(t, active, turn.tokens, turn.logprobs, turn.lengths)
+      stats.sampled_tokens += buffer.write_turn(steps, active, turn.tokens, turn.logprobs,
+                                                turn.lengths)
     with _timed(stats, "env_s"):
       ts = rows.step(turn, active)
       if on_env_step is not None:
-        on_env_step(t, active)
+        on_env_step(int(steps[active].max()), active)
     stats.env_steps += int(active.sum())
     with _timed(stats, "host_s"):
-      going_on = active & ~buffer.record_step(t, active, ts, rows.env_reward(ts))
-      observations = _append_observations(buffer, codec, config, stats, t, going_on,
+      going_on = active & ~buffer.record_step(steps, active, ts, rows.env_reward(ts))
+      observations = _append_observations(buffer, codec, config, stats, steps, going_on,
                                           rows.observation, turn.stopped)
+    steps = steps + active
     if any(observations):
       with _timed(stats, "generation_s"):
         policy.extend(observations)
+
+
+def _finish(buffer: EpisodeBuffer, policy, env, reward, groups, env_seed, labels) -> EpisodeBatch:
+  batch = buffer.finish(reward, **_labels(env, reward, groups, env_seed, **labels))
+  return batch.replace(routing=policy.routing(buffer.end, batch.attention_mask))
+
+
+def _branch(batch: EpisodeBatch, buffer: EpisodeBuffer, policy, rows, env, codec,
+            config: RolloutConfig, stats: RolloutStats, row_ids, labels: dict,
+            on_env_step=None) -> EpisodeBatch:
+  """The second phase of a branch rollout: `branch_k` continuations of every root of `batch` from
+  the state before its step chosen by `config.branch_at`, sampled from the saved environment
+  state and the root's cached prefix. Returns roots and branches in one batch, each task's rows
+  together: its roots, then root 0's branches, root 1's, ... (so row ids do not depend on how the
+  tasks are split between processes)."""
+  k, roots = config.branch_k, config.branch_roots
   with _timed(stats, "host_s"):
-    batch = buffer.finish(reward, **_labels(env, reward, task_of_row + group_offset, rows_keys,
-                                            policy_version=policy_version, task_seed=task_seed,
-                                            sampling_seed=sampling_seed))
-    batch = batch.replace(routing=policy.routing(buffer.end, batch.attention_mask))
-    stats.episodes = len(task_of_row)
-    stats.episode_info = dict(rows.episode_info(), **buffer.episode_info())
-    stats.extra.update(rows.finish())
-  return batch, stats
+    steps = BRANCH_POINTS[config.branch_at](batch, buffer, rows, labels["sampling_seed"], row_ids)
+    parents, at = np.repeat(np.arange(batch.batch_size), k), np.repeat(steps, k)
+    child_buffer = buffer.fork(parents, at)
+    # Root j of task i is row i*G + j; its branch m is row i*G + R + j*K + m.
+    child_ids = (row_ids[parents] + roots + (parents % roots) * (k - 1)
+                 + np.tile(np.arange(k), len(steps)))
+    last = batch.tokens[parents, child_buffer.end - 1]
+  with _timed(stats, "generation_s"):
+    child_policy = policy.fork(parents, child_buffer.end, last, child_ids)
+  with _timed(stats, "env_s"):
+    child_rows = rows.fork(parents, at)
+  _run_turns(child_buffer, child_policy, child_rows, codec, config, stats, at.astype(np.int64),
+             on_env_step)
+  with _timed(stats, "host_s"):
+    child = _finish(child_buffer, child_policy, env, env.reward_spec, batch.group[parents],
+                    batch.env_seed[parents], labels)
+    n = batch.batch_size // roots
+    order = np.concatenate([np.concatenate([i * roots + np.arange(roots), batch.batch_size
+                                            + i * roots * k + np.arange(roots * k)])
+                            for i in range(n)])
+    both = jax.tree.map(lambda a, b: np.concatenate([np.asarray(a), np.asarray(b)])[order],
+                        batch, child)
+    position = np.argsort(order)  # final row of each source row
+    parent = np.concatenate([np.full(batch.batch_size, -1), position[parents]])[order]
+    branch_step = np.concatenate([np.full(batch.batch_size, -1), at])[order]
+    info = dict(child_rows.episode_info(), **child_buffer.episode_info())
+    stats.episode_info = {name: np.concatenate([np.asarray(stats.episode_info[name]),
+                                                np.asarray(info[name])])[order]
+                          for name in stats.episode_info}
+    return both.replace(parent=parent.astype(np.int32), branch_step=branch_step.astype(np.int32))
+
+
+def _uniform_points(batch, buffer, rows, seed, row_ids) -> np.ndarray:
+  """A step drawn uniformly from each root's steps (`Generator([seed, row id])`)."""
+  del buffer, rows
+  steps = np.maximum(np.asarray(batch.num_steps), 1)
+  return np.array([np.random.default_rng([seed, int(i)]).integers(0, n)
+                   for i, n in zip(row_ids, steps)], np.int64)
+
+
+def _entropy_points(batch, buffer, rows, seed, row_ids) -> np.ndarray:
+  """The step whose sampled tokens have the largest mean surprisal `-log p` (an unbiased estimate
+  of the turn's mean token entropy under the sampling distribution); ties: the earliest."""
+  del buffer, rows, seed, row_ids
+  mask, turn = np.asarray(batch.loss_mask), np.asarray(batch.turn)
+  s = batch.max_steps
+  one_hot = (turn[:, :, None] == np.arange(s)) & mask[:, :, None]  # [B, L, S]
+  total = np.einsum("bl,bls->bs", -np.asarray(batch.behavior_logprobs, np.float64), one_hot)
+  mean = np.where(one_hot.any(1), total / np.maximum(one_hot.sum(1), 1), -np.inf)
+  return np.argmax(mean, axis=-1).astype(np.int64)
+
+
+def _after_error_points(batch, buffer, rows, seed, row_ids) -> np.ndarray:
+  """The step right after the root's first invalid or forbidden action; uniform for a root
+  without one (or whose error ended it)."""
+  error = buffer.invalid | buffer.unauthorized
+  first = np.where(error.any(-1), np.argmax(error, -1), np.iinfo(np.int32).max)
+  ok = first + 1 < np.asarray(batch.num_steps)
+  return np.where(ok, first + 1, _uniform_points(batch, buffer, rows, seed, row_ids))
+
+
+def _divergence_points(batch, buffer, rows, seed, row_ids) -> np.ndarray:
+  """The first step whose action differs from the oracle's action in that state; uniform for a
+  root that agreed with the oracle throughout."""
+  num_steps = np.asarray(batch.num_steps)
+  agree = rows.oracle_agreement(num_steps)
+  differs = ~agree & (np.arange(agree.shape[1])[None, :] < num_steps[:, None])
+  return np.where(differs.any(-1), np.argmax(differs, -1),
+                  _uniform_points(batch, buffer, rows, seed, row_ids))
+
+
+# Where `collect` forks each root (`RolloutConfig.branch_at`): `(root batch, its buffer, its env
+# rows, sampling seed, row ids) -> [R]` steps, each one the root took.
+BRANCH_POINTS = {"uniform": _uniform_points, "max_entropy": _entropy_points,
+                 "after_error": _after_error_points, "first_divergence": _divergence_points}
 
 
 def _num_tasks(tasks) -> int:
@@ -217,10 +345,28 @@ class _JaxRows:
   """The rows of a JAX environment: reset, step and episode facts jitted and vmapped over rows;
   the codec parses each turn into an `Action` on the host."""
 
-  def __init__(self, env: Environment, codec):
+  def __init__(self, env: Environment, codec, states=None):
     self.env, self.codec = env, codec
     self.reset_fn, self.step_fn, self.info_fn = _env_fns(env)
-    self.messages = None
+    self.messages, self._states = None, states
+    self.keep_history, self.history, self.actions = False, [], []
+
+  def fork(self, parents, steps) -> "_JaxRows":
+    """Rows in the saved states: row `i` in row `parents[i]`'s state before its step `steps[i]`."""
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *self.history)  # [T, B, ...] leaves
+    at = (jnp.asarray(steps, jnp.int32), jnp.asarray(parents, jnp.int32))
+    return _JaxRows(self.env, self.codec, jax.tree.map(lambda x: x[at], stacked))
+
+  def oracle_agreement(self, num_steps) -> np.ndarray:
+    """`[B, S]` bool: the row's action at the step, as text, equals the oracle's in that state."""
+    agree = np.zeros((len(num_steps), len(self.history)), bool)
+    oracle = jax.jit(jax.vmap(self.env.oracle))
+    for t, (states, actions) in enumerate(zip(self.history, self.actions)):
+      best = to_numpy(oracle(states))
+      for r in np.nonzero((t < num_steps) & (actions.error == 0))[0]:
+        agree[r, t] = (self.codec.format_action(row(best, r))
+                       == self.codec.format_action(row(actions, r)))
+    return agree
 
   def start(self, tasks, task_of_row, rows_keys, config, stats):
     states, _ = self.reset_fn(rows_keys, jax.tree.map(lambda a: jnp.asarray(a)[task_of_row], tasks))
@@ -234,6 +380,9 @@ class _JaxRows:
 
   def step(self, turn, active):
     actions, self.messages = _parse_actions(self.env, self.codec, turn, active)
+    if self.keep_history:  # the state each row acts in, for branch rollouts
+      self.history.append(self._states)
+      self.actions.append(to_numpy(actions))
     self._states, timesteps = self.step_fn(self._states, actions)
     self.ts = to_numpy(timesteps)
     return self.ts
@@ -378,14 +527,32 @@ class _ModelPolicy:
   with `fold_in(key(sampling_seed), row_offset + r)`."""
 
   def __init__(self, params, model_config: ModelConfig, config: RolloutConfig, codec, prompts,
-               sampling_seed: int, row_offset: int):
+               sampling_seed: int, row_ids):
     self.params = prepare_decode_params(params, model_config)
     self.model_config, self.length = model_config, config.context_length
-    self.row_keys = sampler.per_row_keys(sampling_seed, row_offset + np.arange(len(prompts)))
+    self.sampling_seed = sampling_seed
+    self.row_keys = sampler.per_row_keys(sampling_seed, np.asarray(row_ids))
     self.rule = config.sampling(codec.stop_token_ids)
-    tokens, lengths = sampler.pad_rows(prompts, minimum=8, maximum=self.length)
-    self.cache, self.last_logits = sampler.prefill(self.params, model_config, tokens, lengths,
-                                                   self.length)
+    if prompts is not None:
+      tokens, lengths = sampler.pad_rows(prompts, minimum=8, maximum=self.length)
+      self.cache, self.last_logits = sampler.prefill(self.params, model_config, tokens, lengths,
+                                                     self.length)
+
+  def fork(self, parents, prefix_ends, last_tokens, row_ids) -> "_ModelPolicy":
+    """Branch rows from this policy's cache without prefilling their prefixes again: row `i` gets
+    row `parents[i]`'s cache cut to its first `prefix_ends[i]` slots (the prefix's keys and values
+    do not change as the parent goes on), less the last, which is appended again (`last_tokens[i]`,
+    one token per row) to give the next-token logits. Row `i` samples with key `row_ids[i]`."""
+    child = object.__new__(_ModelPolicy)
+    child.params, child.model_config, child.length = self.params, self.model_config, self.length
+    child.sampling_seed, child.rule = self.sampling_seed, self.rule
+    child.row_keys = sampler.per_row_keys(self.sampling_seed, np.asarray(row_ids))
+    cache = sampler.fork_cache(self.cache, jnp.asarray(parents, jnp.int32),
+                               jnp.asarray(prefix_ends, jnp.int32) - 1)
+    tokens = np.asarray(last_tokens, np.int32)[:, None]
+    child.cache, child.last_logits = sampler.extend(self.params, self.model_config, cache, tokens,
+                                                    np.ones(len(tokens), np.int32))
+    return child
 
   def turn(self, states, active, budgets) -> _Turn:
     del states  # the model acts on its context only
@@ -436,6 +603,10 @@ class _ScriptedPolicy:
   def extend(self, observations) -> None:
     del observations  # no model, no cache
 
+  def fork(self, parents, prefix_ends, last_tokens, row_ids) -> "_ScriptedPolicy":
+    del parents, prefix_ends, last_tokens, row_ids  # acts on the states only
+    return self
+
   def routing(self, end, attention_mask) -> None:
     del end, attention_mask  # no model ran: nothing was routed
     return None
@@ -456,16 +627,16 @@ def _parse_actions(env: Environment, codec, turn: _Turn, active) -> tuple[Action
 
 
 def _append_observations(buffer: EpisodeBuffer, codec, config: RolloutConfig,
-                         stats: RolloutStats, t: int, rows, observation, stopped) -> list:
-  """Appends step `t`'s observation (`observation(r) -> (ids, text function)`) to each of `rows`
-  (`[B]` bool, the rows that go on), after an end-of-turn token where the turn hit its budget
-  instead. Stops a row as `TIMEOUT` after the last step, and as `CONTEXT_OVERFLOW` when its
+                         stats: RolloutStats, steps, rows, observation, stopped) -> list:
+  """Appends the observation of step `steps[r]` (`observation(r) -> (ids, text function)`) to each
+  of `rows` (`[B]` bool, the rows that go on), after an end-of-turn token where the turn hit its
+  budget instead. Stops a row as `TIMEOUT` after the last step, and as `CONTEXT_OVERFLOW` when its
   observation plus one more turn would not fit. Returns the ids appended to each row (`[]` for
   none)."""
   eot = codec.stop_token_ids[0]
   appended = [[] for _ in range(len(rows))]
   for r in np.nonzero(rows)[0]:
-    if t + 1 >= config.max_steps:
+    if steps[r] + 1 >= config.max_steps:
       buffer.stop(r, Termination.TIMEOUT)
       continue
     ids, text = observation(r)
@@ -475,12 +646,12 @@ def _append_observations(buffer: EpisodeBuffer, codec, config: RolloutConfig,
       buffer.stop(r, Termination.CONTEXT_OVERFLOW)
       continue
     stats.unknown_words += _unknown_count(codec, ids, text)
-    buffer.append_observation(r, t, framed)
+    buffer.append_observation(r, steps[r], framed)
     appended[r] = framed
   return appended
 
 
-def _labels(env: Environment, reward: RewardSpec, group, rows_keys, *, policy_version: int,
+def _labels(env: Environment, reward: RewardSpec, group, env_seed, *, policy_version: int,
             task_seed: int, sampling_seed: int) -> dict:
   """The per-episode labels of an `EpisodeBatch` (`[B]` arrays): group, versions and seeds."""
   b = len(group)
@@ -488,7 +659,7 @@ def _labels(env: Environment, reward: RewardSpec, group, rows_keys, *, policy_ve
               policy_version=np.full((b,), policy_version, np.int32),
               env_version=np.full((b,), env_version(env), np.int32),
               reward_version=np.full((b,), reward_version(reward), np.int32),
-              env_seed=np.asarray(jax.random.key_data(rows_keys))[:, -1].astype(np.uint32),
+              env_seed=np.asarray(env_seed).astype(np.uint32),
               task_seed=np.full((b,), task_seed, np.uint32),
               sampling_seed=np.full((b,), sampling_seed, np.uint32))
 

@@ -53,7 +53,7 @@ import numpy as np
 from longhorizon.models.config import ModelConfig
 from longhorizon.models.families import DecodeCache, family
 
-__all__ = ["SamplingParams", "DecodeResult", "prefill", "extend", "decode", "generate",
+__all__ = ["SamplingParams", "DecodeResult", "prefill", "extend", "decode", "generate", "fork_cache",
            "pad_rows", "per_row_keys", "overflowed", "apply_temperature", "top_k_mask",
            "top_p_mask", "process_logits", "sample_tokens", "PAD_OUTPUT_ID"]
 
@@ -281,6 +281,28 @@ def per_row_keys(key_or_seed, row_ids: chex.Array) -> jax.Array:
   row_ids = jnp.asarray(row_ids)
   chex.assert_rank(row_ids, 1)
   return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, row_ids)
+
+
+@jax.jit
+def fork_cache(cache: DecodeCache, rows: chex.Array, ends: chex.Array) -> DecodeCache:
+  """A cache of `len(rows)` rows: row `i` is a copy of `cache`'s row `rows[i]` cut to its first
+  `ends[i]` slots (`end = ends[i]`; the slots after are free to be written again).
+
+  Slot `s` of a row holds the keys and values of the token at position `s`, which only the tokens
+  before it determine: a prefix of a finished episode's cache is the cache of that prefix. Forking
+  copies it instead of encoding the prefix again (branch rollouts: K continuations of one prefix
+  cost their own tokens only). `cache` is not donated.
+
+  Args:
+    cache: a family's `DecodeCache` (every leaf has the rows on axis 0).
+    rows: `[R]` int row indices into `cache` (repeats allowed).
+    ends: `[R]` int slots kept per row, `0 <= ends[i] <= cache.end[rows[i]]`.
+  """
+  rows, ends = jnp.asarray(rows, jnp.int32), jnp.asarray(ends, jnp.int32)
+  chex.assert_rank([rows, ends], 1)
+  chex.assert_equal_shape([rows, ends])
+  forked = jax.tree.map(lambda x: jnp.take(x, rows, axis=0), cache)
+  return forked.replace(end=jnp.minimum(ends, cache.end[rows]))
 
 
 def overflowed(cache: DecodeCache) -> jax.Array:

@@ -18,6 +18,12 @@ choose by name (`ALGORITHMS[name]`), add one by registering a function. All of t
 | `reinforce_pp` | REINFORCE++-baseline (group mean, token returns, batch whitening) | no |
 | `gigpo` | episode + anchor-state step-group advantages | no |
 | `ppo` | GAE on a critic: over tokens or turns (`unit`), VAPO's length-adaptive lambda (length in tokens or turns), or bi-level GAE | yes |
+| `vine` | branch trees: `Q(s_t, a_t) - V(s_t)` from Monte-Carlo means over the rows through each state / action (VinePPO) | no |
+| `branch` | branch trees: the row's return minus the mean return from the same state | no |
+| `tree_grpo` | branch trees: GRPO over the task group plus exact step groups of sibling actions (Tree-GRPO) | no |
+
+The three tree estimators (`core/tree_advantages.py`) read `parent` / `branch_step`
+(`rollout.branch_k > 0`); a branch's copied prefix never trains (its loss mask is 0 there).
 
 `empg=True` modulates the step advantages of a critic-free estimator by the policy's step entropy
 (EMPG, `turn_advantages.empg`); the learner then computes per-token entropies before the update.
@@ -33,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from longhorizon.core import advantages as adv
+from longhorizon.core import tree_advantages as tree_adv
 from longhorizon.core import turn_advantages as turn_adv
 from longhorizon.core.episode import EpisodeBatch
 from longhorizon.train.options import DISCOUNT, NON_NEGATIVE, POSITIVE, Options, Range, option
@@ -95,6 +102,9 @@ class Algorithm:
   # Rollouts per task the estimator needs to give a non-zero advantage: 2 for the group-relative
   # ones (a group of one is its own baseline: every advantage is 0 and nothing is learned).
   min_group_size: int = 1
+  # Needs branch rollouts (rollout.branch_k > 0): without branches its steps after the first have
+  # no baseline but the row itself, and get advantage 0.
+  needs_branches: bool = False
 
 
 ALGORITHMS: dict[str, Algorithm] = {}
@@ -221,12 +231,35 @@ def _turn_gae(batch, values, options, weight, mask):
   return adv.broadcast_steps(a, batch.turn), adv.broadcast_steps(returns, batch.turn)
 
 
+def _tree(estimator):
+  """A tree estimator's `[B, S]` step advantages on the tokens of each row's own steps."""
+
+  def fn(batch, values, options, weight):
+    del values
+    args = (batch.score, batch.group, batch.parent, batch.branch_step, batch.step_mask)
+    if estimator is tree_adv.tree_grpo_advantages:
+      step_adv = estimator(*args, valid=weight > 0, step_weight=options.step_weight,
+                           normalize_std=options.normalize_std)
+    else:
+      step_adv = estimator(*args, valid=weight > 0)
+    own = tree_adv.own_steps(batch.parent, batch.branch_step, batch.step_mask)
+    tokens = adv.broadcast_steps(jnp.where(own, step_adv, 0.0), batch.turn)
+    mask = jnp.asarray(batch.loss_mask, jnp.float32) * weight[:, None]
+    return Advantages(tokens * mask, None, weight)
+
+  return fn
+
+
 register(Algorithm("grpo", _grpo, min_group_size=2))
 register(Algorithm("drgrpo", _drgrpo, default_agg="seq-mean-token-sum-norm", min_group_size=2))
 register(Algorithm("rloo", _rloo, min_group_size=2))
 register(Algorithm("reinforce_pp", _reinforce_pp, min_group_size=2))
 register(Algorithm("gigpo", _gigpo, min_group_size=2))
 register(Algorithm("ppo", _ppo, needs_critic=True))
+register(Algorithm("vine", _tree(tree_adv.vine_advantages), min_group_size=2, needs_branches=True))
+register(Algorithm("branch", _tree(tree_adv.branch_advantages), min_group_size=2,
+                   needs_branches=True))
+register(Algorithm("tree_grpo", _tree(tree_adv.tree_grpo_advantages), min_group_size=2))
 
 
 def compute_advantages(batch: EpisodeBatch, values, options: AlgorithmOptions,

@@ -201,6 +201,10 @@ def _check_rules(config):
           f"an integer >= {need} for algorithm.name={a.name!r}: its advantages are relative to the "
           f"other rollouts of the same task, so a group of one gets advantage 0 and learns nothing "
           f"(use algorithm.name='ppo' for single rollouts)")
+  if ALGORITHMS[a.name].needs_branches and not config.rollout.branch_k:
+    _fail("rollout.branch_k", config.rollout.branch_k,
+          f"an integer >= 1 for algorithm.name={a.name!r}: it estimates each step's value from the "
+          f"branches forked there, and without branches only the first step gets an advantage")
   if config.sft.steps:
     if config.sft.episodes < 1:
       _fail("sft.episodes", config.sft.episodes,

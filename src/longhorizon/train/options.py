@@ -19,7 +19,7 @@ from typing import Any, Callable, ClassVar, Sequence
 
 import ml_collections
 
-from longhorizon.rollout import RolloutConfig
+from longhorizon.rollout import BRANCH_POINTS, RolloutConfig
 
 __all__ = ["ConfigError", "Range", "Options", "RolloutOptions", "OptimOptions", "PoolOptions",
            "option", "fail",
@@ -170,14 +170,27 @@ class RolloutOptions(Options):
   stale_weight: float = option(0.5, range=Range(
       float, 0, 1, low_open=True, note="per version past rollout.max_staleness, for "
                                        "rollout.stale_policy='downweight'"))
+  # Branch rollouts of the training episodes: group_size / (1 + branch_k) roots per task, each
+  # forked once into branch_k continuations at the step branch_at picks (rollout.BRANCH_POINTS;
+  # uniform, max_entropy, after_error, first_divergence); 0 = off. Episodes per task stay
+  # group_size, so a run with branches costs what one without does.
+  branch_k: int = option(0, range=NON_NEGATIVE_INT)
+  branch_at: str = option("uniform", choices=lambda: sorted(BRANCH_POINTS))
+
+  def check(self):
+    if self.group_size % (1 + self.branch_k):
+      fail("rollout.branch_k", self.branch_k, f"a value with branch_k + 1 dividing "
+           f"rollout.group_size={self.group_size} (roots x (1 + branch_k) episodes per task)")
 
   def collect_config(self, max_steps: int, *, group_size: int | None = None,
-                     temperature: float | None = None) -> RolloutConfig:
+                     temperature: float | None = None, branch: bool = False) -> RolloutConfig:
+    """The `collect` settings; `branch=True` (the training episodes) with the branch rollouts."""
     return RolloutConfig(group_size=group_size or self.group_size,
                          context_length=self.context_length, max_steps=max_steps,
                          turn_tokens=self.turn_tokens,
                          temperature=self.temperature if temperature is None else temperature,
-                         top_k=self.top_k, top_p=self.top_p)
+                         top_k=self.top_k, top_p=self.top_p,
+                         branch_k=self.branch_k if branch else 0, branch_at=self.branch_at)
 
 
 @dataclasses.dataclass(frozen=True)
