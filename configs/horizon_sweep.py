@@ -24,6 +24,9 @@ Variants (`--config=configs/horizon_sweep.py:VARIANT`):
   turn_credit    the cpu budget on pointer_chain N = 8, 3 seeds, with the turn-level estimators
                  of issue 19 beside the v1 PPO rows and GRPO (PPO with turn-level lambda must
                  not collapse: sampled success at least the warm start's).
+  branch_credit  the cpu budget on pointer_chain N = 8, 3 seeds: branch rollouts (2 roots x 4
+                 per task, the same 8 episodes per task) with the tree estimators, GRPO on the
+                 branched batches, and GRPO on plain batches.
 Every run of a cell (env, N, seed) starts from the same SFT warm start (noisy demonstrator,
 epsilon 0.1), so the algorithms differ only in credit assignment; all share every other
 hyperparameter (none is tuned per algorithm).
@@ -38,9 +41,10 @@ from longhorizon.studies import sweeps
 _DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py")
 
 ALGORITHMS = ("grpo", "drgrpo", "rloo", "ppo_gae", "ppo_lagae", "gigpo")
-VARIANTS = ("cpu", "accelerator", "textworld", "smoke", "turn_credit")
+VARIANTS = ("cpu", "accelerator", "textworld", "smoke", "turn_credit", "branch_credit")
 TURN_CREDIT = ("grpo", "grpo_empg", "ppo_gae", "ppo_lagae", "ppo_turn_gae", "ppo_turn_lagae",
                "ppo_bilevel")
+BRANCH_CREDIT = ("grpo", "grpo_branched", "vine", "branch", "tree_grpo", "tree_grpo_divergence")
 
 
 def get_config(arg=None):
@@ -115,6 +119,10 @@ def get_config(arg=None):
     config.sweep.pointer_chain = (8,)
     config.sweep.gridworld = ()
     config.sweep.algorithms = TURN_CREDIT
+  elif variant == "branch_credit":
+    config.sweep.pointer_chain = (8,)
+    config.sweep.gridworld = ()
+    config.sweep.algorithms = BRANCH_CREDIT
   elif variant == "smoke":
     config.num_updates = 2
     config.rollout.num_tasks = 4

@@ -122,8 +122,8 @@ def test_smoke_sweep_writes_results_and_resumes(tmp_path):
 
 
 def test_every_algorithm_label_gives_a_valid_config_with_its_settings():
-  """Each label of the study (the v1 six and the turn-level ones) validates and sets what it names;
-  the turn_credit variant runs them on pointer_chain N = 8 only."""
+  """Each label of the study (the v1 six, the turn-level and the branch ones) validates and sets
+  what it names; the turn_credit and branch_credit variants run on pointer_chain N = 8 only."""
   base = _config("turn_credit")
   assert tuple(base.sweep.pointer_chain) == (8,) and tuple(base.sweep.gridworld) == ()
   assert set(base.sweep.algorithms) <= set(horizon.ALGORITHMS)
@@ -137,6 +137,11 @@ def test_every_algorithm_label_gives_a_valid_config_with_its_settings():
   turn = horizon.cell_config(base, "pointer_chain", 8, "ppo_turn_lagae", seed=0)
   assert (turn.algorithm.unit, turn.algorithm.vapo_length, turn.algorithm.vapo_alpha) == (
       "turn", "turns", 1.0)
+  branched = _config("branch_credit")
+  assert set(branched.sweep.algorithms) <= set(horizon.ALGORITHMS)
+  vine = horizon.cell_config(branched, "pointer_chain", 8, "vine", seed=0)
+  # 8 episodes per task either way: 2 roots, each forked into 3 continuations.
+  assert (vine.rollout.group_size, vine.rollout.branch_k) == (8, 3)
 
 
 REFERENCE = ROOT / "experiments" / "results" / "horizon_sweep_smoke_reference"

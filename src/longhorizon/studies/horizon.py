@@ -62,6 +62,15 @@ ALGORITHMS = {
                        "algorithm.vapo_length": "turns", "algorithm.vapo_alpha": 1.0},
     "ppo_bilevel": {"algorithm.name": "ppo", "algorithm.advantage": "bilevel_gae"},
     "grpo_empg": {"algorithm.name": "grpo", "algorithm.empg": True},
+    # Branch rollouts (issue 19): 2 roots per task of 8 episodes, each forked into 3
+    # continuations at a uniformly drawn step (or at its first non-oracle action); the tree
+    # estimators; GRPO on the same branched batches as the control.
+    "grpo_branched": {"algorithm.name": "grpo", "rollout.branch_k": 3},
+    "vine": {"algorithm.name": "vine", "rollout.branch_k": 3},
+    "branch": {"algorithm.name": "branch", "rollout.branch_k": 3},
+    "tree_grpo": {"algorithm.name": "tree_grpo", "rollout.branch_k": 3},
+    "tree_grpo_divergence": {"algorithm.name": "tree_grpo", "rollout.branch_k": 3,
+                             "rollout.branch_at": "first_divergence"},
 }
 
 RESULT_FIELDS = ("env", "horizon", "actions", "algorithm", "seed", "updates", "episodes", "tokens",
