@@ -247,3 +247,60 @@ def test_branch_monte_carlo_values_converge_to_the_true_values(env, codec):
     assert abs(estimate - truth) <= tolerance, (b, n, estimate, truth)
     checked += 1
   assert checked >= 2
+
+
+# ----------------------------------------------------------------------------------------------------
+# Host environments: the state comes from `snapshot()` / `restore()`, or from a replay of the
+# parent's actions where the environment has no snapshots.
+
+
+def _stay_then_up(codec):
+  """Roots say `stay` at their first two steps, then `up`; branch rows (after the roots are done)
+  say `up` at every step."""
+
+  def turns(states):
+    out = []
+    for r, active in enumerate(states.active):
+      row = states.pool.rows[r]  # branch rows are not recorded: `record` tells them apart
+      stay = row.record and row.history.count("stay") < 2
+      out.append(codec.encode_action("stay" if stay else "up") if active else [])
+    return out
+
+  return turns
+
+
+@pytest.mark.parametrize("snapshots", [True, False])
+def test_host_branches_continue_from_the_parent_state(snapshots):
+  import os  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                  "envs"))
+  import host_fixtures as hf  # pylint: disable=g-import-not-at-top
+  from longhorizon.envs.pool import close_pools  # pylint: disable=g-import-not-at-top
+  env = (hf.FaultyCounter if snapshots else hf.Counter)(success=1.0, milestone=0.5)
+  codec = env.codec()
+  rc = rollout.RolloutConfig(group_size=4, context_length=128, max_steps=6, turn_tokens=4,
+                             branch_k=1, branch_at="uniform")
+  try:
+    batch, _ = rollout.collect(None, None, env, codec, env.tasks("train", 2, 0),
+                               jax.random.split(jax.random.key(0), 2), rc, sampling_seed=0,
+                               scripted=_stay_then_up(codec))
+  finally:
+    close_pools(env)
+  batch.validate()
+  roots, branches = batch.parent < 0, np.flatnonzero(batch.parent >= 0)
+  # Roots: stay, stay, up, up, up (success at step 4).
+  assert (batch.num_steps[roots] == 5).all() and batch.success[roots].all()
+  for i in branches:
+    p, b = batch.parent[i], batch.branch_step[i]
+    start = _own_start(batch, i)
+    np.testing.assert_array_equal(batch.tokens[i, :start], batch.tokens[p, :start])
+    # The branch goes up from the parent's position at step b: the counter's state (its position
+    # and its step count, which a reset would zero) continues.
+    pos = max(b - 2, 0)
+    first = codec.decode(batch.tokens[i][(batch.turn[i] == b) & ~batch.loss_mask[i]
+                                         & batch.attention_mask[i]])
+    if pos + 1 < 3:  # not the winning step (which ends the episode without an observation)
+      assert f"pos {pos + 1} step {b + 1}" in first, (b, first)
+    assert batch.success[i] and batch.num_steps[i] == b + (3 - pos)
+  assert len(set(batch.branch_step[branches].tolist())) >= 2

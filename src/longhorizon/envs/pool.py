@@ -145,9 +145,18 @@ def _rebuild(factory, old: HostEnvironment | None, task: dict, seed: int,
   return env
 
 
+# Calls that set a row's whole state (a lost row needs no rebuild before them).
+_STARTS = ("reset", "restore_from")
+
+
 def _apply(env, method: str, args: tuple):
   if method == "step":
     return _guarded_step(env, *args)
+  if method == "restore_from":  # a branch row: another episode's saved state
+    task, seed, snapshot = args
+    env.reset(task, seed)
+    env.restore(snapshot)
+    return True
   if method == "reset":
     out = env.reset(*args)
     if not isinstance(out, Observation):
@@ -271,7 +280,7 @@ def _worker_main(conn, factory):
             _quiet_close(env)
           conn.send(("ok", None))
           break
-        elif row not in envs and op != "reset":
+        elif row not in envs and op not in _STARTS:
           conn.send(("lost", None))  # the instance went with a replaced worker: rebuild first
           continue
         else:
@@ -381,7 +390,7 @@ class _ProcessBackend:
 
   def call(self, row, method, args, timeout_s):
     value = self._send(row, method, args, timeout_s)
-    if method == "reset":
+    if method in _STARTS:
       self.missing.discard(row)
     return value
 
@@ -491,6 +500,7 @@ class _Row:
   history: list = dataclasses.field(default_factory=list)  # actions applied so far
   log: list = dataclasses.field(default_factory=list)  # recorded calls (record mode)
   failed: bool = False
+  record: bool = True  # written to record_path (not a branch row: it has no reset of its own)
 
 
 class EnvPool:
@@ -560,6 +570,28 @@ class EnvPool:
       self._log(r, {"action": actions[r], "result": _as_json(result)})
     return out
 
+  def snapshot(self, rows) -> dict[int, object]:
+    """Each of `rows`' `snapshot()` of its current state; None for every row when the
+    environment has no snapshots, and for a row whose call failed."""
+    if not self._snapshots():
+      return {int(r): None for r in rows}
+    return self._map({int(r): ("snapshot", ()) for r in rows}, oracle=True)
+
+  def fork(self, sources: list[tuple[dict, int, list[str], object]]) -> None:
+    """Starts one row per source `(task, seed, actions so far, snapshot or None)` in the state the
+    source describes (branch rollouts): reset and `restore(snapshot)` where there is a snapshot,
+    else (or when restoring fails) rebuilt before its first step by replaying the actions from
+    `reset(task, seed)`, as a lost row is. Branch rows are not written to `record_path` (a replay
+    needs an episode's own reset)."""
+    self._ensure(len(sources))
+    self.rows = [_Row(task=dict(t), seed=int(s), history=list(h), record=False)
+                 for t, s, h, _ in sources]
+    done = self._map({r: ("restore_from", (src[0], src[1], src[3]))
+                      for r, src in enumerate(sources) if src[3] is not None}, oracle=True)
+    for r in range(len(sources)):
+      if done.get(r) is not True:
+        self.backend.lose(r)  # rebuilt by replaying its actions before its first call
+
   def oracle(self, rows) -> dict[int, str | None]:
     """The oracle's next action of each of `rows` (None where it has none or failed)."""
     out = self._map({r: ("oracle", ()) for r in rows}, oracle=True)
@@ -579,7 +611,7 @@ class EnvPool:
     with open(self.record_path, "a") as f:
       for r in rows:
         row = self.rows[r]
-        if row.log:
+        if row.log and row.record:
           f.write(json.dumps({"task": row.task, "seed": row.seed, "calls": row.log}) + "\n")
           row.log = []
 
@@ -686,7 +718,7 @@ class EnvPool:
     """One attempt: rebuilds the row's instance first where it is lost."""
     row = self.rows[r]
     for _ in range(3):
-      if method != "reset" and self.backend.lost(r):
+      if method not in _STARTS and self.backend.lost(r):
         self.backend.rebuild(r, row.task, row.seed, list(row.history), self.timeout_s)
       try:
         return self.backend.call(r, method, args, self.timeout_s)

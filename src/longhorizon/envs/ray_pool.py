@@ -38,8 +38,8 @@ import threading
 from typing import Any, Callable
 
 from longhorizon.envs.host import HostEnvironment
-from longhorizon.envs.pool import (CallTimeout, WorkerCrashed, _apply, _Lost, _quiet_close,
-                                   _rebuild)
+from longhorizon.envs.pool import (_STARTS, CallTimeout, WorkerCrashed, _apply, _Lost,
+                                   _quiet_close, _rebuild)
 
 __all__ = ["RayBackend", "import_ray"]
 
@@ -75,7 +75,7 @@ class _EnvActor:
     try:
       return _apply(self.envs[row], method, args)
     except BaseException:
-      if method == "reset":  # a failed reset leaves the instance unknown: the retry gets a new one
+      if method in _STARTS:  # a failed start leaves the instance unknown: a retry gets a new one
         _quiet_close(self.envs.pop(row))
       raise
 
@@ -114,7 +114,7 @@ class RayBackend:
   # ---------------------------------------------------------------------------------- calls
   def call(self, row: int, method: str, args: tuple, timeout_s: float):
     value = self._run(row, "call", (row, method, args), timeout_s, method)
-    if method == "reset":
+    if method in _STARTS:
       with self.lock:
         self.missing.discard(row)
     return value

@@ -186,11 +186,9 @@ def collect(params, model_config: ModelConfig, env: Environment, codec, tasks: A
   task_of_row = np.repeat(np.arange(n), roots)
   row_ids = row_offset + (task_of_row * g + np.tile(np.arange(roots), n))  # their ids in [N*G]
   rows_keys = jnp.asarray(env_keys)[task_of_row]
-  if config.branch_k and is_host(env):
-    raise ValueError(f"rollout.branch_k: branch rollouts need a JAX environment (their state is "
-                     f"a pytree to copy); {type(env).__name__} is a host environment.")
   rows = (_HostRows(env, codec) if is_host(env) else _JaxRows(env, codec))
   rows.keep_history = config.branch_k > 0
+  rows.track_oracle = rows.keep_history and config.branch_at == "first_divergence"
   with _timed(stats, "env_s"):
     prompts, anchors = rows.start(tasks, task_of_row, rows_keys, config, stats)
   buffer = EpisodeBuffer.start(prompts, config.context_length, config.max_steps, anchors,
@@ -268,7 +266,7 @@ def _branch(batch: EpisodeBatch, buffer: EpisodeBuffer, policy, rows, env, codec
   with _timed(stats, "generation_s"):
     child_policy = policy.fork(parents, child_buffer.end, last, child_ids)
   with _timed(stats, "env_s"):
-    child_rows = rows.fork(parents, at)
+    child_rows = rows.fork(parents, at, _reached(child_buffer))
   _run_turns(child_buffer, child_policy, child_rows, codec, config, stats, at.astype(np.int64),
              on_env_step)
   with _timed(stats, "host_s"):
@@ -288,6 +286,12 @@ def _branch(batch: EpisodeBatch, buffer: EpisodeBuffer, policy, rows, env, codec
                                                 np.asarray(info[name])])[order]
                           for name in stats.episode_info}
     return both.replace(parent=parent.astype(np.int32), branch_step=branch_step.astype(np.int32))
+
+
+def _reached(buffer: EpisodeBuffer) -> np.ndarray:
+  """`[B, M]` bool: the milestones each row has reached in the steps it holds."""
+  bits = np.bitwise_or.reduce(np.asarray(buffer.batch.milestones), axis=-1)
+  return (bits[:, None] >> np.arange(buffer.num_milestones)) & 1 == 1
 
 
 def _uniform_points(batch, buffer, rows, seed, row_ids) -> np.ndarray:
@@ -351,8 +355,10 @@ class _JaxRows:
     self.messages, self._states = None, states
     self.keep_history, self.history, self.actions = False, [], []
 
-  def fork(self, parents, steps) -> "_JaxRows":
-    """Rows in the saved states: row `i` in row `parents[i]`'s state before its step `steps[i]`."""
+  def fork(self, parents, steps, milestones=None) -> "_JaxRows":
+    """Rows in the saved states: row `i` in row `parents[i]`'s state before its step `steps[i]`
+    (the state holds the milestones reached: `milestones` is not needed)."""
+    del milestones
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *self.history)  # [T, B, ...] leaves
     at = (jnp.asarray(steps, jnp.int32), jnp.asarray(parents, jnp.int32))
     return _JaxRows(self.env, self.codec, jax.tree.map(lambda x: x[at], stacked))
@@ -419,6 +425,31 @@ class _HostRows:
     self.env, self.codec = env, codec
     self.pool = pool_for(env)
     self.names = {name: i for i, name in enumerate(env.milestone_names)}
+    # Branch rollouts: each step's snapshots `{row: snapshot or None}` and, for
+    # first_divergence, whether each row's action was the oracle's (`{row: bool}`).
+    self.keep_history, self.track_oracle, self.snapshots, self.agreed = False, False, [], []
+
+  def fork(self, parents, steps, milestones) -> "_HostRows":
+    """Rows in saved states: row `i` in row `parents[i]`'s state before its step `steps[i]`
+    (restored from that step's snapshot, or replayed from reset with the parent's actions), with
+    the milestones it had reached (`milestones [R, M]` bool)."""
+    child = _HostRows(self.env, self.codec)
+    histories = [list(row.history) for row in self.pool.rows]
+    sources = [(self.tasks[p], self.pool.rows[p].seed, histories[p][:t], self.snapshots[t].get(p))
+               for p, t in zip(parents, steps)]
+    child.tasks = [self.tasks[p] for p in parents]
+    child.reached = np.asarray(milestones, bool).copy()
+    self.pool.finish()  # the roots' records, before the pool's rows become the branches
+    self.pool.fork(sources)
+    return child
+
+  def oracle_agreement(self, num_steps) -> np.ndarray:
+    """`[B, S]` bool: the row's action at the step was the oracle's (as normalised text)."""
+    agree = np.zeros((len(num_steps), max(len(self.agreed), 1)), bool)
+    for t, rows in enumerate(self.agreed):
+      for r, same in rows.items():
+        agree[r, t] = same
+    return agree
 
   def start(self, tasks, task_of_row, rows_keys, config, stats):
     tasks = list(tasks)
@@ -445,6 +476,12 @@ class _HostRows:
     rows = np.nonzero(active)[0]
     actions = {int(r): self.codec.action_text(turn.tokens[r, :int(turn.lengths[r])])
                for r in rows}
+    if self.keep_history:  # the state each row acts in, for branch rollouts
+      self.snapshots.append(self.pool.snapshot(rows))
+      if self.track_oracle:
+        best = self.pool.oracle([int(r) for r in rows])
+        self.agreed.append({r: best.get(r) is not None and " ".join(best[r].split())
+                            == " ".join(a.split()) for r, a in actions.items()})
     self.results = self.pool.step(actions)
     return self._timestep(len(active))
 
