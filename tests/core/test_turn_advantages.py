@@ -305,3 +305,41 @@ def test_bad_shapes_raise():
   with pytest.raises((AssertionError, ValueError, TypeError)):
     ta.bilevel_gae(np.zeros((2, 3)), np.ones((2, 3)), np.zeros((2, 5)), np.zeros((2, 5), np.float32),
                    np.ones((2, 5)), gamma=1.0, lam=1.0, turn_gamma=1.0, turn_lam=1.0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Time- and cost-aware discounting.
+
+
+def test_time_discounts_by_hand():
+  d = np.array([[0.0, 1.0, 2.0], [0.5, 3.0, 0.0]], np.float32)
+  mask = np.array([[1, 1, 1], [1, 1, 0]])
+  got = ta.time_discounts(d, mask, 0.5)
+  _close(got, [[1.0, math.exp(-0.5), math.exp(-1.0)], [math.exp(-0.25), math.exp(-1.5), 1.0]])
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_turn_gae_with_per_step_discounts_matches_the_loop(seed):
+  rng = np.random.default_rng(seed)
+  turn, loss_mask, step_mask = random_turns(rng)
+  rewards = rng.normal(size=(B, S)).astype(np.float32)
+  values = rng.normal(size=(B, S)).astype(np.float32)
+  gamma = ta.time_discounts(rng.exponential(1.0, size=(B, S)).astype(np.float32), step_mask, 0.7)
+  a, r = ta.turn_gae(rewards, values, step_mask, gamma=gamma, lam=0.9)
+  want_a, want_r = np.zeros((B, S)), np.zeros((B, S))
+  g = np.asarray(gamma, np.float64)
+  for b in range(B):
+    next_value = next_adv = 0.0
+    for k in reversed(range(S)):
+      if not step_mask[b, k]:
+        continue
+      delta = rewards[b, k] + g[b, k] * next_value - values[b, k]
+      want_a[b, k] = delta + g[b, k] * 0.9 * next_adv
+      want_r[b, k] = want_a[b, k] + values[b, k]
+      next_value, next_adv = values[b, k], want_a[b, k]
+  _close(a, want_a)
+  _close(r, want_r)
+  # A constant per-step array is the scalar discount.
+  const, _ = ta.turn_gae(rewards, values, step_mask, gamma=np.full((B, S), 0.8, np.float32), lam=0.9)
+  scalar, _ = ta.turn_gae(rewards, values, step_mask, gamma=0.8, lam=0.9)
+  _close(const, scalar)

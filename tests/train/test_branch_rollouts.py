@@ -304,3 +304,26 @@ def test_host_branches_continue_from_the_parent_state(snapshots):
       assert f"pos {pos + 1} step {b + 1}" in first, (b, first)
     assert batch.success[i] and batch.num_steps[i] == b + (3 - pos)
   assert len(set(batch.branch_step[branches].tolist())) >= 2
+
+
+def test_host_steps_record_their_measured_latency():
+  import os  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                  "envs"))
+  import host_fixtures as hf  # pylint: disable=g-import-not-at-top
+  from longhorizon.envs.pool import close_pools  # pylint: disable=g-import-not-at-top
+  env = hf.Counter(latency_s=0.05, success=1.0)
+  codec = env.codec()
+  rc = rollout.RolloutConfig(group_size=2, context_length=96, max_steps=4, turn_tokens=4)
+  try:
+    batch, _ = rollout.collect(None, None, env, codec, env.tasks("train", 2, 0),
+                               jax.random.split(jax.random.key(0), 2), rc, sampling_seed=0,
+                               scripted=rollout.oracle_turns(env, codec))
+  finally:
+    close_pools(env)
+  steps = np.asarray(batch.step_mask, bool)
+  assert steps.sum() == 2 * 2 * 3
+  latency = np.asarray(batch.latency)
+  assert (latency[steps] >= 0.05).all() and (latency[steps] < 2.0).all()
+  assert not latency[~steps].any()

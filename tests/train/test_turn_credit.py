@@ -159,3 +159,44 @@ def test_learner_feeds_empg_the_current_policy_entropy(tmp_path, smoke_learner):
   assert not np.allclose(inputs.advantages, plain.advantages, atol=1e-4)
   _, metrics = s.update(state, db, inputs)
   assert np.isfinite(float(metrics["loss"]))
+
+
+@pytest.mark.parametrize("source", ["latency", "cost"])
+def test_time_discount_replaces_the_constant_step_discount(batch, source):
+  rng = np.random.default_rng(5)
+  durations = np.where(batch.step_mask, rng.exponential(2.0, np.shape(batch.step_mask)), 0.0)
+  b = batch.replace(**{source: durations.astype(np.float32)})
+  gamma = ta.time_discounts(durations, b.step_mask, 0.3)
+  # ppo over turns: gamma_k = exp(-0.3 d_k) instead of the constant gamma.
+  values = _values(b)
+  out = algorithms.compute_advantages(
+      b, values, _options(unit="turn", lam=0.8, time_discount=0.3, time_source=source))
+  mask, steps = _mask_steps(b, out.row_weight)
+  step_values = ta.turn_start_values(values, b.turn, mask, steps)
+  a, _ = ta.turn_gae(b.rewards, step_values, steps, gamma=gamma, lam=0.8)
+  want = adv.masked_whiten(adv.broadcast_steps(a, b.turn) * mask, mask) * mask
+  np.testing.assert_allclose(out.advantages, want, atol=1e-5)
+  # gigpo: the step returns are discounted per step.
+  out = algorithms.compute_advantages(b, None, _options(name="gigpo", time_discount=0.3,
+                                                        time_source=source))
+  step_adv = adv.gigpo(b.score, b.rewards, b.step_mask, b.group, b.anchor, gamma=gamma,
+                       valid=np.asarray(out.row_weight) > 0, normalize_std=True)
+  want = adv.broadcast_steps(step_adv, b.turn) * np.asarray(b.loss_mask) * np.asarray(
+      out.row_weight)[:, None]
+  np.testing.assert_allclose(out.advantages, want, atol=1e-5)
+  plain = algorithms.compute_advantages(b, None, _options(name="gigpo"))
+  assert not np.allclose(plain.advantages, out.advantages, atol=1e-4)
+
+
+def test_time_discount_errors_name_the_problem():
+  from configs import default as default_config  # pylint: disable=g-import-not-at-top
+  from longhorizon.train import config as config_lib  # pylint: disable=g-import-not-at-top
+  config = default_config.get_config("smoke")
+  config.algorithm.time_discount = 0.1
+  with pytest.raises(config_lib.ConfigError, match="algorithm.time_discount=0.1 .*'grpo'"):
+    config_lib.validate(config)
+  config.algorithm.name = "gigpo"
+  with pytest.raises(config_lib.ConfigError, match="algorithm.time_source='latency' .*JAX"):
+    config_lib.validate(config)
+  config.algorithm.time_source = "cost"
+  config_lib.validate(config)

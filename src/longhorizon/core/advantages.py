@@ -60,6 +60,14 @@ def _per_row(x, num_rows: int):
   return jnp.broadcast_to(x, (num_rows,))
 
 
+def _per_position(x, shape):
+  """A scalar, `[B]` or `[B, T]` discount as a `[B, T]` float32 array (one value per position:
+  time- and cost-aware discounting gives each step its own)."""
+  x = _as_f32(x)
+  chex.assert_rank(x, {0, 1, 2})
+  return jnp.broadcast_to(x[:, None] if x.ndim == 1 else x, shape)
+
+
 def _time_major(*xs):
   # Materialise the transposes before the scan: left to fusion, XLA reads them strided inside the loop
   # body, which was 3-4x slower on CPU.
@@ -87,23 +95,24 @@ def discounted_returns(rewards: chex.Array, mask: chex.Array, gamma) -> jax.Arra
     rewards: `[B, T]` per-token rewards (a step's reward sits on its last policy token, see
       `place_step_rewards`).
     mask: `[B, T]` 1 on positions that take part in the recursion.
-    gamma: scalar or `[B]` discount per valid position.
+    gamma: scalar, `[B]` or `[B, T]` discount per valid position (`[B, T]`: position `t`'s
+      `gamma_t` discounts the return that follows it).
 
   Returns:
     `[B, T]` float32 returns, 0 where `mask` is 0.
   """
   rewards, mask = jnp.asarray(rewards), jnp.asarray(mask)
   _check_token_inputs(rewards, mask)
-  gamma = _per_row(gamma, rewards.shape[0])
-  rewards_tb, valid_tb = _time_major(_as_f32(rewards), _as_bool(mask))
+  gamma = _per_position(gamma, rewards.shape)
+  rewards_tb, valid_tb, gamma_tb = _time_major(_as_f32(rewards), _as_bool(mask), gamma)
 
   def step(g_next, xs):
-    r_t, valid_t = xs
-    g_t = jnp.where(valid_t, r_t + gamma * g_next, g_next)
+    r_t, valid_t, gamma_t = xs
+    g_t = jnp.where(valid_t, r_t + gamma_t * g_next, g_next)
     return g_t, jnp.where(valid_t, g_t, 0.0)
 
-  _, returns_tb = jax.lax.scan(step, jnp.zeros(rewards.shape[0], _F32), (rewards_tb, valid_tb),
-                               reverse=True)
+  _, returns_tb = jax.lax.scan(step, jnp.zeros(rewards.shape[0], _F32),
+                               (rewards_tb, valid_tb, gamma_tb), reverse=True)
   return returns_tb.T
 
 
@@ -112,13 +121,13 @@ def _gae_scan(rewards, values, mask, gamma, lam, critic_lam=None):
   the same lam). Both outputs are emitted time-major by the scan and transposed once: computing the
   returns from the transposed advantages afterwards cost an extra pass that doubled the time on CPU."""
   num_rows = rewards.shape[0]
-  gamma = _per_row(gamma, num_rows)
   lams = (_per_row(lam, num_rows),) + (() if critic_lam is None else (_per_row(critic_lam, num_rows),))
-  rewards_tb, values_tb, valid_tb = _time_major(_as_f32(rewards), _as_f32(values), _as_bool(mask))
+  rewards_tb, values_tb, valid_tb, gamma_tb = _time_major(
+      _as_f32(rewards), _as_f32(values), _as_bool(mask), _per_position(gamma, rewards.shape))
 
   def step(carry, xs):
     value_tp1, running = carry
-    r_t, v_t, valid_t = xs
+    r_t, v_t, valid_t, gamma = xs
     delta_t = r_t + gamma * value_tp1 - v_t
     adv_t = tuple(delta_t + gamma * lam_ * run for lam_, run in zip(lams, running))
     running = tuple(jnp.where(valid_t, a, run) for a, run in zip(adv_t, running))
@@ -128,7 +137,7 @@ def _gae_scan(rewards, values, mask, gamma, lam, critic_lam=None):
 
   zeros = jnp.zeros(num_rows, _F32)
   _, outputs_tb = jax.lax.scan(step, (zeros, tuple(zeros for _ in lams)),
-                               (rewards_tb, values_tb, valid_tb), reverse=True)
+                               (rewards_tb, values_tb, valid_tb, gamma_tb), reverse=True)
   advantages_tb, returns_tb = jax.lax.optimization_barrier(outputs_tb)
   return advantages_tb.T, returns_tb.T
 
@@ -506,7 +515,7 @@ def gigpo(episode_returns: chex.Array,
     step_mask: `[N, S]` 1 on steps that happened.
     groups: `[N]` int task-group labels.
     anchors: `[N, S]` int anchor-state hashes (uint32 or int32).
-    gamma: scalar step discount (GiGPO: 0.95).
+    gamma: scalar step discount (GiGPO: 0.95), or `[N, S]` per step (time-aware discounting).
     step_weight: scalar weight `omega` of the step advantage.
     normalize_std: divide both levels by std + eps (static; GiGPO's "mean_std_norm" vs "mean_norm").
     eps: added to the std.

@@ -71,6 +71,9 @@ class EpisodeBatch:
   anchor: Any = _array("B S", np.uint32)  # hash of the env state the step's action was taken in
   milestones: Any = _array("B S", np.int32)  # bit m: milestone m first reached at this step
   cost: Any = _array("B S", np.float32)  # cost of the step (tool/time/token cost)
+  # Wall seconds of the step's environment call as the pool measured it (retries and rate-limit
+  # waits included); 0 for JAX environments, which step every row in one call.
+  latency: Any = _array("B S", np.float32)
   violation: Any = _array("B S", bool)  # a safety gate was hit at this step
   env_error: Any = _array("B S", bool)  # the env failed at this step (not the policy's fault)
   # Episode level.

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 from longhorizon.core.advantages import (_as_bool, _as_f32, _gae_scan, _per_row, _time_major,
                                          broadcast_steps, place_step_rewards)
 
-__all__ = ["adaptive_lambda", "turn_start_values", "turn_gae", "bilevel_gae", "step_means", "empg"]
+__all__ = ["adaptive_lambda", "time_discounts", "turn_start_values", "turn_gae", "bilevel_gae",
+           "step_means", "empg"]
 
 _F32 = jnp.float32
 
@@ -50,6 +51,31 @@ def _policy_slots(turn, loss_mask, num_steps):
   """`[B, L]` step index of each policy token, `num_steps` on every other token (a spare slot)."""
   policy = _as_bool(loss_mask) & (turn >= 0) & (turn < num_steps)
   return jnp.where(policy, turn, num_steps), policy
+
+
+@jax.jit
+def time_discounts(durations: chex.Array, step_mask: chex.Array, rate) -> jax.Array:
+  """Per-step discounts from each step's measured duration or cost (time-aware discounting):
+
+      gamma_k = exp(-rate * d_k),
+
+  so a step that took twice as long discounts what follows it twice as much (in log space), where a
+  constant per-token or per-turn gamma charges a slow tool call and a fast one alike. `rate` is in
+  1/seconds for latencies (`EpisodeBatch.latency`) or per cost unit (`EpisodeBatch.cost`). Feed
+  the result as `gamma` to `turn_gae` or as GiGPO's step discount.
+
+  Args:
+    durations: `[B, S]` non-negative step durations or costs.
+    step_mask: `[B, S]` 1 on steps that happened.
+    rate: scalar `lambda >= 0`.
+
+  Returns:
+    `[B, S]` float32 discounts in `(0, 1]`, 1 where `step_mask` is 0.
+  """
+  durations, step_mask = jnp.asarray(durations), jnp.asarray(step_mask)
+  _check_steps(durations, step_mask)
+  d = jnp.maximum(_as_f32(durations), 0.0)
+  return jnp.where(_as_bool(step_mask), jnp.exp(-_as_f32(rate) * d), 1.0)
 
 
 @jax.jit
@@ -113,7 +139,9 @@ def turn_gae(step_rewards: chex.Array, step_values: chex.Array, step_mask: chex.
     step_rewards: `[B, S]` per-step rewards.
     step_values: `[B, S]` state values (`turn_start_values`).
     step_mask: `[B, S]` 1 on steps that happened.
-    gamma, lam, critic_lam: scalars or `[B]`.
+    gamma: scalar, `[B]`, or `[B, S]` per step (`time_discounts`: each step discounted by its
+      own duration or cost).
+    lam, critic_lam: scalars or `[B]`.
 
   Returns:
     `(advantages, returns)`, both `[B, S]` float32, 0 where `step_mask` is 0.

@@ -539,6 +539,7 @@ class EnvPool:
     self.backend = None
     self.rows: list[_Row] = []
     self.counts = collections.Counter()
+    self.latency: dict[int, float] = {}  # row -> seconds of its latest step call
     self.lock = threading.Lock()
     self.driver = None
 
@@ -562,6 +563,7 @@ class EnvPool:
     reset failed answers an environment error without a call."""
     failed = {r: StepResult("environment error: the episode could not start", terminated=True,
                             env_error=True) for r in actions if self.rows[r].failed}
+    self.latency = {}
     out = self._map({r: ("step", (a,)) for r, a in actions.items() if r not in failed})
     out.update(failed)
     for r, result in out.items():
@@ -668,7 +670,16 @@ class EnvPool:
       self.counts.update(kw)
 
   def _attempts(self, r: int, method: str, args: tuple, oracle: bool = False):
-    """One row's call with retries (see the module docstring); never raises."""
+    """One row's call with retries (see the module docstring); never raises. A step's wall time,
+    retries and waits included, goes to `latency[r]`."""
+    start = time.perf_counter()
+    try:
+      return self._attempts_inner(r, method, args, oracle)
+    finally:
+      if method == "step":
+        self.latency[r] = time.perf_counter() - start
+
+  def _attempts_inner(self, r: int, method: str, args: tuple, oracle: bool):
     row, problem = self.rows[r], ""
     for attempt in range(self.retries + 1):
       if attempt:

@@ -128,6 +128,8 @@ class EpisodeBuffer:
     bits = np.arange(self.num_milestones, dtype=np.int32)
     out.milestones[rows, t] = (ts.milestones[rows].astype(np.int32) << bits).sum(-1)
     out.cost[rows, t] = ts.cost[rows]
+    if getattr(ts, "latency", None) is not None:
+      out.latency[rows, t] = ts.latency[rows]
     out.violation[rows, t] = ts.violation[rows]
     out.env_error[rows, t] = ts.env_error[rows]
     self.invalid[rows, t] = ts.invalid_action[rows]
@@ -179,7 +181,8 @@ def _per_row(t, b: int) -> np.ndarray:
 
 # What `fork` copies of a parent row: every per-row field of the batch being filled.
 _TOKEN_FIELDS = ("tokens", "positions", "attention_mask", "loss_mask", "turn", "behavior_logprobs")
-_STEP_FIELDS = ("rewards", "step_mask", "anchor", "milestones", "cost", "violation", "env_error")
+_STEP_FIELDS = ("rewards", "step_mask", "anchor", "milestones", "cost", "latency", "violation",
+                "env_error")
 _ROW_FIELDS = _TOKEN_FIELDS + _STEP_FIELDS + (
     "group", "success", "terminated", "truncated", "termination", "num_steps", "score",
     "policy_version", "env_version", "reward_version", "env_seed", "task_seed", "sampling_seed",

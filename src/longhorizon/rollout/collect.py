@@ -489,6 +489,7 @@ class _HostRows:
     m = self.env.num_milestones
     out = SimpleNamespace(
         milestones=np.zeros((b, m), bool), cost=np.zeros((b,), np.float32),
+        latency=np.zeros((b,), np.float32),
         violation=np.zeros((b,), bool), env_error=np.zeros((b,), bool),
         invalid_action=np.zeros((b,), bool), observation={"error": np.zeros((b,), np.int32)},
         fault=np.zeros((b,), np.int32), loop=np.zeros((b,), bool),
@@ -507,6 +508,7 @@ class _HostRows:
       out.milestones[r] = hit & ~self.reached[r] & ok
       self.reached[r] |= hit & ok
       out.cost[r] = res.cost if ok else 0.0
+      out.latency[r] = self.pool.latency.get(r, 0.0)
       out.violation[r] = res.violation and ok
       out.env_error[r] = res.env_error
       code = res.error if ok else 0

@@ -25,6 +25,10 @@ choose by name (`ALGORITHMS[name]`), add one by registering a function. All of t
 The three tree estimators (`core/tree_advantages.py`) read `parent` / `branch_step`
 (`rollout.branch_k > 0`); a branch's copied prefix never trains (its loss mask is 0 there).
 
+`time_discount > 0` replaces the constant step discount of `gigpo` and of `ppo` with `unit='turn'`
+by `exp(-time_discount * d)` per step, `d` the step's measured latency or its cost
+(`turn_advantages.time_discounts`).
+
 `empg=True` modulates the step advantages of a critic-free estimator by the policy's step entropy
 (EMPG, `turn_advantages.empg`); the learner then computes per-token entropies before the update.
 """
@@ -81,6 +85,11 @@ class AlgorithmOptions(Options):
   empg_k: float = option(1.0, range=POSITIVE)
   empg_k_future: float = option(1.0, range=POSITIVE)
   empg_zeta: float = option(0.05, range=NON_NEGATIVE)
+  # Time- and cost-aware discounting: each step discounted by exp(-time_discount * d), d its
+  # measured latency in seconds or its cost (`time_source`), instead of the constant step discount
+  # (ppo with unit='turn': gamma; gigpo: step_gamma). 0 = off.
+  time_discount: float = option(0.0, range=NON_NEGATIVE)
+  time_source: str = option("latency", choices=("latency", "cost"))
 
   @property
   def spec(self) -> "Algorithm":
@@ -171,10 +180,18 @@ def _reinforce_pp(batch, values, options, weight):
   return Advantages(a * mask, None, weight)
 
 
+def _step_discount(batch, options, constant):
+  """The step discount: `constant`, or per step from its latency or cost (`time_discount`)."""
+  if not options.time_discount:
+    return constant
+  durations = batch.latency if options.time_source == "latency" else batch.cost
+  return turn_adv.time_discounts(durations, batch.step_mask, options.time_discount)
+
+
 def _gigpo(batch, values, options, weight):
   del values
   step_adv = adv.gigpo(batch.score, batch.rewards, batch.step_mask, batch.group, batch.anchor,
-                       gamma=options.step_gamma, step_weight=options.step_weight,
+                       gamma=_step_discount(batch, options, options.step_gamma), step_weight=options.step_weight,
                        normalize_std=options.normalize_std, valid=weight > 0)
   tokens = adv.broadcast_steps(step_adv, batch.turn)
   mask = jnp.asarray(batch.loss_mask, jnp.float32) * weight[:, None]
@@ -226,7 +243,8 @@ def _turn_gae(batch, values, options, weight, mask):
   step_values = turn_adv.turn_start_values(values, batch.turn, mask, steps)
   # VAPO's critic uses lambda 1 (Monte-Carlo targets); plain GAE its own lambda.
   critic_lam = 1.0 if options.advantage == "length_adaptive_gae" else None
-  a, returns = turn_adv.turn_gae(batch.rewards, step_values, steps, gamma=options.gamma,
+  a, returns = turn_adv.turn_gae(batch.rewards, step_values, steps,
+                                 gamma=_step_discount(batch, options, options.gamma),
                                  lam=_lambda(batch, options, mask), critic_lam=critic_lam)
   return adv.broadcast_steps(a, batch.turn), adv.broadcast_steps(returns, batch.turn)
 

@@ -17,6 +17,7 @@ import ml_collections
 from longhorizon import envs
 from longhorizon.envs.base import SPLITS
 from longhorizon.envs.codec import STYLES
+from longhorizon.envs.host import HostEnvironment
 from longhorizon.envs.wrappers import FAULT_KINDS
 from longhorizon.models import DECODE_KERNELS, DECODE_QUANTS, LORA_TARGETS, registered_families
 from longhorizon.train.algorithms import ALGORITHMS, AlgorithmOptions
@@ -181,6 +182,15 @@ def _check_model(m):
           "o_proj): adapters on experts are not supported")
 
 
+def _is_host_env(name: str) -> bool:
+  """Whether the environment `name` is a host (plain-Python) one."""
+  try:
+    cls = envs.resolve(name)
+  except Exception:  # an unknown name is reported by its own check
+    return False
+  return isinstance(cls, type) and issubclass(cls, HostEnvironment)
+
+
 def _check_rules(config):
   """Rules between fields: batch divisibility, group sizes, SFT data, special values."""
   a = config.algorithm
@@ -201,6 +211,16 @@ def _check_rules(config):
           f"an integer >= {need} for algorithm.name={a.name!r}: its advantages are relative to the "
           f"other rollouts of the same task, so a group of one gets advantage 0 and learns nothing "
           f"(use algorithm.name='ppo' for single rollouts)")
+  if a.time_discount and not (a.name == "gigpo" or (
+      a.name == "ppo" and a.unit == "turn" and a.advantage != "bilevel_gae")):
+    _fail("algorithm.time_discount", a.time_discount,
+          f"0 for algorithm.name={a.name!r}: per-step discounts apply to gigpo's step returns and "
+          f"to ppo with algorithm.unit='turn' (gae or length_adaptive_gae), whose recursions run "
+          f"over steps")
+  if a.time_discount and a.time_source == "latency" and not _is_host_env(config.env.name):
+    _fail("algorithm.time_source", a.time_source,
+          f"'cost' for the JAX environment {config.env.name!r}: it steps every row in one call, "
+          f"so no per-step latency is measured (EpisodeBatch.latency is 0)")
   if ALGORITHMS[a.name].needs_branches and not config.rollout.branch_k:
     _fail("rollout.branch_k", config.rollout.branch_k,
           f"an integer >= 1 for algorithm.name={a.name!r}: it estimates each step's value from the "

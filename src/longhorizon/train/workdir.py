@@ -59,7 +59,8 @@ ADDED_FIELDS: dict[str, Any] = {
     "algorithm.unit": "token", "algorithm.vapo_length": "tokens", "algorithm.step_lam": 1.0,
     "algorithm.empg": False, "algorithm.empg_k": 1.0, "algorithm.empg_k_future": 1.0,
     "algorithm.empg_zeta": 0.05, "loss.reuse_behaviour_logprobs": False,
-    "rollout.branch_k": 0, "rollout.branch_at": "uniform",
+    "rollout.branch_k": 0, "rollout.branch_at": "uniform", "algorithm.time_discount": 0.0,
+    "algorithm.time_source": "latency",
 }
 
 
