@@ -27,6 +27,9 @@ Variants (`--config=configs/horizon_sweep.py:VARIANT`):
   branch_credit  the cpu budget on pointer_chain N = 8, 3 seeds: branch rollouts (2 roots x 4
                  per task, the same 8 episodes per task) with the tree estimators, GRPO on the
                  branched batches, and GRPO on plain batches.
+  verifier_credit the cpu budget on pointer_chain N = 8, 3 seeds: GRPO (outcome only) against
+                 GRPO plus a rule-based step verifier's step advantages (milestones; oracle
+                 agreement).
 Every run of a cell (env, N, seed) starts from the same SFT warm start (noisy demonstrator,
 epsilon 0.1), so the algorithms differ only in credit assignment; all share every other
 hyperparameter (none is tuned per algorithm).
@@ -41,10 +44,12 @@ from longhorizon.studies import sweeps
 _DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py")
 
 ALGORITHMS = ("grpo", "drgrpo", "rloo", "ppo_gae", "ppo_lagae", "gigpo")
-VARIANTS = ("cpu", "accelerator", "textworld", "smoke", "turn_credit", "branch_credit")
+VARIANTS = ("cpu", "accelerator", "textworld", "smoke", "turn_credit", "branch_credit",
+            "verifier_credit")
 TURN_CREDIT = ("grpo", "grpo_empg", "ppo_gae", "ppo_lagae", "ppo_turn_gae", "ppo_turn_lagae",
                "ppo_bilevel")
 BRANCH_CREDIT = ("grpo", "grpo_branched", "vine", "branch", "tree_grpo", "tree_grpo_divergence")
+VERIFIER_CREDIT = ("grpo", "grpo_milestone_verifier", "grpo_oracle_verifier")
 
 
 def get_config(arg=None):
@@ -123,6 +128,10 @@ def get_config(arg=None):
     config.sweep.pointer_chain = (8,)
     config.sweep.gridworld = ()
     config.sweep.algorithms = BRANCH_CREDIT
+  elif variant == "verifier_credit":
+    config.sweep.pointer_chain = (8,)
+    config.sweep.gridworld = ()
+    config.sweep.algorithms = VERIFIER_CREDIT
   elif variant == "smoke":
     config.num_updates = 2
     config.rollout.num_tasks = 4

@@ -343,3 +343,36 @@ def test_turn_gae_with_per_step_discounts_matches_the_loop(seed):
   const, _ = ta.turn_gae(rewards, values, step_mask, gamma=np.full((B, S), 0.8, np.float32), lam=0.9)
   scalar, _ = ta.turn_gae(rewards, values, step_mask, gamma=0.8, lam=0.9)
   _close(const, scalar)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Step-verifier advantages.
+
+
+def test_verifier_advantages_by_hand():
+  # Group 0: judged scores 1, 0, 1, 1 (mean 0.75, unbiased std 0.5); group 1: one judged step.
+  scores = np.array([[1, 0, 5], [1, 1, 0], [0, 1, 1]], np.float32)
+  known = np.array([[1, 1, 0], [1, 1, 0], [1, 0, 0]])
+  groups = np.array([0, 0, 1])
+  got = ta.verifier_advantages(scores, known, groups, normalize_std=False)
+  _close(got, [[0.25, -0.75, 0], [0.25, 0.25, 0], [0, 0, 0]])
+  got = ta.verifier_advantages(scores, known, groups)
+  _close(got, [[0.5, -1.5, 0], [0.5, 0.5, 0], [0, 0, 0]], atol=1e-4)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_verifier_advantages_match_the_loop(seed):
+  rng = np.random.default_rng(seed)
+  scores = rng.integers(0, 2, size=(B, S)).astype(np.float32)
+  known = rng.integers(0, 2, size=(B, S))
+  groups = rng.integers(0, 2, size=(B,))
+  got = ta.verifier_advantages(scores, known, groups)
+  want = np.zeros((B, S))
+  for g in set(groups.tolist()):
+    cells = [(b, t) for b in range(B) for t in range(S) if groups[b] == g and known[b, t]]
+    values = np.array([scores[c] for c in cells], np.float64)
+    if len(values) < 2:
+      continue
+    for c, v in zip(cells, values):
+      want[c] = (v - values.mean()) / (values.std(ddof=1) + 1e-6)
+  _close(got, want, atol=1e-4)

@@ -327,3 +327,18 @@ def test_host_steps_record_their_measured_latency():
   latency = np.asarray(batch.latency)
   assert (latency[steps] >= 0.05).all() and (latency[steps] < 2.0).all()
   assert not latency[~steps].any()
+
+
+def test_record_oracle_marks_each_step_against_the_oracle(env, codec, model):
+  batch, _ = _collect(env, codec, model, branch_k=0, record_oracle=True,
+                      scripted=_scripted_with_mistake(env, codec, wrong_at=1))
+  steps = np.asarray(batch.step_mask, bool)
+  match = np.asarray(batch.oracle_match)
+  assert (match[~steps] == -1).all()
+  np.testing.assert_array_equal(match[:, 1][steps[:, 1]], 0)  # the planted mistake
+  others = steps.copy()
+  others[:, 1] = False
+  assert (match[others] == 1).all()
+  plain, _ = _collect(env, codec, model, branch_k=0,
+                      scripted=_scripted_with_mistake(env, codec, wrong_at=1))
+  assert (np.asarray(plain.oracle_match) == -1).all()  # not recorded unless asked

@@ -200,3 +200,22 @@ def test_time_discount_errors_name_the_problem():
     config_lib.validate(config)
   config.algorithm.time_source = "cost"
   config_lib.validate(config)
+
+
+@pytest.mark.parametrize("verifier", ["milestone", "oracle"])
+def test_step_verifier_adds_group_relative_step_advantages(batch, verifier):
+  rng = np.random.default_rng(7)
+  match = np.where(batch.step_mask, rng.integers(0, 2, np.shape(batch.step_mask)), -1)
+  b = batch.replace(oracle_match=match.astype(np.int32))
+  plain = algorithms.compute_advantages(b, None, _options(name="grpo"))
+  out = algorithms.compute_advantages(b, None, _options(name="grpo", step_verifier=verifier,
+                                                        verifier_weight=0.3))
+  weight = np.asarray(out.row_weight)
+  steps = np.asarray(b.step_mask, bool) & (weight[:, None] > 0)
+  scores = (np.asarray(b.milestones) != 0) if verifier == "milestone" else match == 1
+  step_adv = ta.verifier_advantages(scores.astype(np.float32), steps, b.group)
+  extra = 0.3 * adv.broadcast_steps(step_adv, b.turn) * np.asarray(b.loss_mask) * weight[:, None]
+  np.testing.assert_allclose(out.advantages, np.asarray(plain.advantages) + extra, atol=1e-5)
+  assert np.abs(extra).sum() > 0
+  with pytest.raises(ValueError, match="critic-free"):
+    algorithms.compute_advantages(b, _values(b), _options(step_verifier=verifier))

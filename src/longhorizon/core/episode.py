@@ -75,6 +75,10 @@ class EpisodeBatch:
   # waits included); 0 for JAX environments, which step every row in one call.
   latency: Any = _array("B S", np.float32)
   violation: Any = _array("B S", bool)  # a safety gate was hit at this step
+  # The step's action against the oracle's in the same state (a rule-based step verifier; recorded
+  # when `RolloutConfig.record_oracle` or a branch rule needs it): 1 the same, 0 different, -1 not
+  # recorded.
+  oracle_match: Any = _array("B S", np.int32, fill=-1)
   env_error: Any = _array("B S", bool)  # the env failed at this step (not the policy's fault)
   # Episode level.
   group: Any = _array("B", np.int32)  # task-group label (rollouts of one task share it)

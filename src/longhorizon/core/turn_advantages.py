@@ -22,15 +22,18 @@ Everything is jitted and returns float32.
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
 
-from longhorizon.core.advantages import (_as_bool, _as_f32, _gae_scan, _per_row, _time_major,
+from longhorizon.core.advantages import (_as_bool, _as_f32, _dense_ids, _gae_scan, _group_moments,
+                                         _per_row, _time_major,
                                          broadcast_steps, place_step_rewards)
 
 __all__ = ["adaptive_lambda", "time_discounts", "turn_start_values", "turn_gae", "bilevel_gae",
-           "step_means", "empg"]
+           "step_means", "empg", "verifier_advantages"]
 
 _F32 = jnp.float32
 
@@ -311,3 +314,40 @@ def empg(step_advantages: chex.Array, step_entropy: chex.Array, step_mask: chex.
   modulated = scale * _as_f32(step_advantages) + bonus
   modulated = modulated - jnp.sum(modulated * weight) / count
   return jnp.where(valid, modulated, 0.0)
+
+
+@functools.partial(jax.jit, static_argnames=("normalize_std",))
+def verifier_advantages(step_scores: chex.Array, known: chex.Array, groups: chex.Array, *,
+                        normalize_std: bool = True, eps=1e-6) -> jax.Array:
+  """Step advantages from a step verifier's scores, kept apart from the outcome reward.
+
+  A step verifier judges each action on its own (did it match the oracle's, did it reach a
+  milestone); folding its score into the episode return would let a long episode of locally
+  "good" steps outscore a short successful one (the "fake PRM" failure). Here its scores are
+  compared within the task group instead, over every judged step of the group's episodes:
+
+      A^V_{i,t} = (v_{i,t} - mean_g(v)) / (std_g(v) + eps)    (no division if not normalize_std)
+
+  and added to an outcome estimator's step advantages by the caller. `std_g` is unbiased (n - 1);
+  a group with fewer than 2 judged steps, or with equal scores, gets 0.
+
+  Args:
+    step_scores: `[B, S]` the verifier's score of each step.
+    known: `[B, S]` 1 on the steps the verifier judged (steps that happened, rows in the loss).
+    groups: `[B]` int task-group labels.
+    normalize_std: divide by the group std (static).
+    eps: added to the std.
+
+  Returns:
+    `[B, S]` float32, 0 where `known` is 0.
+  """
+  step_scores, known, groups = map(jnp.asarray, (step_scores, known, groups))
+  _check_steps(step_scores, known)
+  chex.assert_shape(groups, (step_scores.shape[0],))
+  chex.assert_type(groups, int)
+  member = _as_bool(known)
+  ids = _dense_ids(jnp.broadcast_to(groups[:, None], step_scores.shape).reshape(-1))
+  count, centred, std = _group_moments(_as_f32(step_scores).reshape(-1), ids,
+                                       member.reshape(-1).astype(_F32))
+  adv = centred / (std + _as_f32(eps)) if normalize_std else centred
+  return jnp.where(member & (count.reshape(member.shape) > 1), adv.reshape(member.shape), 0.0)

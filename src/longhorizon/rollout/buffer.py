@@ -64,7 +64,7 @@ class EpisodeBuffer:
     batch.loss_mask[:] = False
     batch.behavior_logprobs[:] = 0.0
     for name in _STEP_FIELDS:
-      getattr(batch, name)[~step_kept] = 0
+      getattr(batch, name)[~step_kept] = -1 if name == "oracle_match" else 0
     b = len(parents)
     per_step = {name: copy(getattr(self, name)) & step_kept for name in
                 ("invalid", "unauthorized", "faulted", "looped")}
@@ -146,6 +146,12 @@ class EpisodeBuffer:
     out.termination[rows] = _termination(ts)[rows]
     return finished
 
+  def record_oracle(self, t, active, match) -> None:
+    """Writes `match [B]` (1: the step's action was the oracle's, 0: not) at step `t` (an int or
+    `[B]`) of the `active` rows."""
+    rows = np.nonzero(active)[0]
+    self.batch.oracle_match[rows, _per_row(t, len(active))[rows]] = np.asarray(match)[rows]
+
   def stop(self, r: int, kind: Termination) -> None:
     """Ends row `r` as truncated by the loop (`TIMEOUT` or `CONTEXT_OVERFLOW`)."""
     self.done[r] = True
@@ -182,7 +188,7 @@ def _per_row(t, b: int) -> np.ndarray:
 # What `fork` copies of a parent row: every per-row field of the batch being filled.
 _TOKEN_FIELDS = ("tokens", "positions", "attention_mask", "loss_mask", "turn", "behavior_logprobs")
 _STEP_FIELDS = ("rewards", "step_mask", "anchor", "milestones", "cost", "latency", "violation",
-                "env_error")
+                "env_error", "oracle_match")
 _ROW_FIELDS = _TOKEN_FIELDS + _STEP_FIELDS + (
     "group", "success", "terminated", "truncated", "termination", "num_steps", "score",
     "policy_version", "env_version", "reward_version", "env_seed", "task_seed", "sampling_seed",

@@ -77,6 +77,9 @@ class RolloutConfig:
   # task (roots x (1 + branch_k)), so the budget equals the unbranched one. 0 = off.
   branch_k: int = 0
   branch_at: str = "uniform"
+  # Record each step's agreement with the oracle's action (`EpisodeBatch.oracle_match`; one oracle
+  # call per step), for the `oracle` step verifier; `first_divergence` branching records it too.
+  record_oracle: bool = False
 
   def __post_init__(self):
     for name in ("group_size", "context_length", "max_steps", "turn_tokens"):
@@ -141,6 +144,12 @@ def _env_fns(env: Environment):
           jax.jit(jax.vmap(info)))
 
 
+@functools.lru_cache(maxsize=None)
+def _oracle_fn(env: Environment):
+  """The jitted batched oracle of `env` (built once per environment)."""
+  return jax.jit(jax.vmap(env.oracle))
+
+
 @contextlib.contextmanager
 def _timed(stats: RolloutStats, field: str):
   """Adds the wall time of the block to `stats.<field>`."""
@@ -188,7 +197,8 @@ def collect(params, model_config: ModelConfig, env: Environment, codec, tasks: A
   rows_keys = jnp.asarray(env_keys)[task_of_row]
   rows = (_HostRows(env, codec) if is_host(env) else _JaxRows(env, codec))
   rows.keep_history = config.branch_k > 0
-  rows.track_oracle = rows.keep_history and config.branch_at == "first_divergence"
+  rows.track_oracle = config.record_oracle or (config.branch_k > 0
+                                               and config.branch_at == "first_divergence")
   with _timed(stats, "env_s"):
     prompts, anchors = rows.start(tasks, task_of_row, rows_keys, config, stats)
   buffer = EpisodeBuffer.start(prompts, config.context_length, config.max_steps, anchors,
@@ -228,6 +238,8 @@ def _run_turns(buffer: EpisodeBuffer, policy, rows, codec, config: RolloutConfig
                                                 turn.lengths)
     with _timed(stats, "env_s"):
       ts = rows.step(turn, active)
+      if rows.track_oracle:
+        buffer.record_oracle(steps, active, rows.match)
       if on_env_step is not None:
         on_env_step(int(steps[active].max()), active)
     stats.env_steps += int(active.sum())
@@ -267,6 +279,7 @@ def _branch(batch: EpisodeBatch, buffer: EpisodeBuffer, policy, rows, env, codec
     child_policy = policy.fork(parents, child_buffer.end, last, child_ids)
   with _timed(stats, "env_s"):
     child_rows = rows.fork(parents, at, _reached(child_buffer))
+    child_rows.track_oracle = rows.track_oracle
   _run_turns(child_buffer, child_policy, child_rows, codec, config, stats, at.astype(np.int64),
              on_env_step)
   with _timed(stats, "host_s"):
@@ -324,11 +337,9 @@ def _after_error_points(batch, buffer, rows, seed, row_ids) -> np.ndarray:
 
 
 def _divergence_points(batch, buffer, rows, seed, row_ids) -> np.ndarray:
-  """The first step whose action differs from the oracle's action in that state; uniform for a
-  root that agreed with the oracle throughout."""
-  num_steps = np.asarray(batch.num_steps)
-  agree = rows.oracle_agreement(num_steps)
-  differs = ~agree & (np.arange(agree.shape[1])[None, :] < num_steps[:, None])
+  """The first step whose action differs from the oracle's action in that state
+  (`oracle_match` 0); uniform for a root that agreed with the oracle throughout."""
+  differs = np.asarray(batch.oracle_match) == 0
   return np.where(differs.any(-1), np.argmax(differs, -1),
                   _uniform_points(batch, buffer, rows, seed, row_ids))
 
@@ -353,7 +364,7 @@ class _JaxRows:
     self.env, self.codec = env, codec
     self.reset_fn, self.step_fn, self.info_fn = _env_fns(env)
     self.messages, self._states = None, states
-    self.keep_history, self.history, self.actions = False, [], []
+    self.keep_history, self.track_oracle, self.history = False, False, []
 
   def fork(self, parents, steps, milestones=None) -> "_JaxRows":
     """Rows in the saved states: row `i` in row `parents[i]`'s state before its step `steps[i]`
@@ -362,17 +373,6 @@ class _JaxRows:
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *self.history)  # [T, B, ...] leaves
     at = (jnp.asarray(steps, jnp.int32), jnp.asarray(parents, jnp.int32))
     return _JaxRows(self.env, self.codec, jax.tree.map(lambda x: x[at], stacked))
-
-  def oracle_agreement(self, num_steps) -> np.ndarray:
-    """`[B, S]` bool: the row's action at the step, as text, equals the oracle's in that state."""
-    agree = np.zeros((len(num_steps), len(self.history)), bool)
-    oracle = jax.jit(jax.vmap(self.env.oracle))
-    for t, (states, actions) in enumerate(zip(self.history, self.actions)):
-      best = to_numpy(oracle(states))
-      for r in np.nonzero((t < num_steps) & (actions.error == 0))[0]:
-        agree[r, t] = (self.codec.format_action(row(best, r))
-                       == self.codec.format_action(row(actions, r)))
-    return agree
 
   def start(self, tasks, task_of_row, rows_keys, config, stats):
     states, _ = self.reset_fn(rows_keys, jax.tree.map(lambda a: jnp.asarray(a)[task_of_row], tasks))
@@ -388,10 +388,19 @@ class _JaxRows:
     actions, self.messages = _parse_actions(self.env, self.codec, turn, active)
     if self.keep_history:  # the state each row acts in, for branch rollouts
       self.history.append(self._states)
-      self.actions.append(to_numpy(actions))
+    if self.track_oracle:
+      self.match = self._oracle_match(to_numpy(actions), active)
     self._states, timesteps = self.step_fn(self._states, actions)
     self.ts = to_numpy(timesteps)
     return self.ts
+
+  def _oracle_match(self, actions, active) -> np.ndarray:
+    """`[B]` int32: 1 where the row's action, as text, is the oracle's in its state, else 0."""
+    best = to_numpy(_oracle_fn(self.env)(self._states))
+    match = np.zeros(len(active), np.int32)
+    for r in np.nonzero(active & (actions.error == 0))[0]:
+      match[r] = self.codec.format_action(row(best, r)) == self.codec.format_action(row(actions, r))
+    return match
 
   def env_reward(self, ts):
     del ts
@@ -425,9 +434,8 @@ class _HostRows:
     self.env, self.codec = env, codec
     self.pool = pool_for(env)
     self.names = {name: i for i, name in enumerate(env.milestone_names)}
-    # Branch rollouts: each step's snapshots `{row: snapshot or None}` and, for
-    # first_divergence, whether each row's action was the oracle's (`{row: bool}`).
-    self.keep_history, self.track_oracle, self.snapshots, self.agreed = False, False, [], []
+    # Branch rollouts: each step's snapshots `{row: snapshot or None}`.
+    self.keep_history, self.track_oracle, self.snapshots = False, False, []
 
   def fork(self, parents, steps, milestones) -> "_HostRows":
     """Rows in saved states: row `i` in row `parents[i]`'s state before its step `steps[i]`
@@ -442,14 +450,6 @@ class _HostRows:
     self.pool.finish()  # the roots' records, before the pool's rows become the branches
     self.pool.fork(sources)
     return child
-
-  def oracle_agreement(self, num_steps) -> np.ndarray:
-    """`[B, S]` bool: the row's action at the step was the oracle's (as normalised text)."""
-    agree = np.zeros((len(num_steps), max(len(self.agreed), 1)), bool)
-    for t, rows in enumerate(self.agreed):
-      for r, same in rows.items():
-        agree[r, t] = same
-    return agree
 
   def start(self, tasks, task_of_row, rows_keys, config, stats):
     tasks = list(tasks)
@@ -478,10 +478,10 @@ class _HostRows:
                for r in rows}
     if self.keep_history:  # the state each row acts in, for branch rollouts
       self.snapshots.append(self.pool.snapshot(rows))
-      if self.track_oracle:
-        best = self.pool.oracle([int(r) for r in rows])
-        self.agreed.append({r: best.get(r) is not None and " ".join(best[r].split())
-                            == " ".join(a.split()) for r, a in actions.items()})
+    if self.track_oracle:  # 1 where the action is the oracle's (whitespace-normalised text)
+      best, self.match = self.pool.oracle([int(r) for r in rows]), np.zeros(len(active), np.int32)
+      for r, a in actions.items():
+        self.match[r] = best.get(r) is not None and best[r].split() == a.split()
     self.results = self.pool.step(actions)
     return self._timestep(len(active))
 

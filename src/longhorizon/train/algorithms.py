@@ -29,6 +29,11 @@ The three tree estimators (`core/tree_advantages.py`) read `parent` / `branch_st
 by `exp(-time_discount * d)` per step, `d` the step's measured latency or its cost
 (`turn_advantages.time_discounts`).
 
+`step_verifier` ("milestone": the step reached a new milestone; "oracle": the step's action was
+the oracle's, `EpisodeBatch.oracle_match`) adds `verifier_weight` times the verifier's
+group-relative step advantage (`turn_advantages.verifier_advantages`) to a critic-free estimator's
+advantages: step-local credit that is never folded into the outcome reward.
+
 `empg=True` modulates the step advantages of a critic-free estimator by the policy's step entropy
 (EMPG, `turn_advantages.empg`); the learner then computes per-token entropies before the update.
 """
@@ -48,7 +53,8 @@ from longhorizon.core import turn_advantages as turn_adv
 from longhorizon.core.episode import EpisodeBatch
 from longhorizon.train.options import DISCOUNT, NON_NEGATIVE, POSITIVE, Options, Range, option
 
-__all__ = ["ALGORITHMS", "ADVANTAGE_KINDS", "Algorithm", "Advantages", "AlgorithmOptions",
+__all__ = ["ALGORITHMS", "ADVANTAGE_KINDS", "STEP_VERIFIERS", "Algorithm", "Advantages",
+           "AlgorithmOptions",
            "compute_advantages", "group_filter", "register"]
 
 
@@ -90,6 +96,11 @@ class AlgorithmOptions(Options):
   # (ppo with unit='turn': gamma; gigpo: step_gamma). 0 = off.
   time_discount: float = option(0.0, range=NON_NEGATIVE)
   time_source: str = option("latency", choices=("latency", "cost"))
+  # A step verifier's judgement (`STEP_VERIFIERS`: "milestone", "oracle"; "" = off) as a
+  # group-relative step advantage added with this weight to a critic-free estimator's, not folded
+  # into the outcome reward (`turn_advantages.verifier_advantages`).
+  step_verifier: str = option("", choices=lambda: ("",) + tuple(sorted(STEP_VERIFIERS)))
+  verifier_weight: float = option(0.5, range=NON_NEGATIVE)
 
   @property
   def spec(self) -> "Algorithm":
@@ -280,12 +291,45 @@ register(Algorithm("branch", _tree(tree_adv.branch_advantages), min_group_size=2
 register(Algorithm("tree_grpo", _tree(tree_adv.tree_grpo_advantages), min_group_size=2))
 
 
+def _milestone_scores(batch):
+  """1 on steps that reached a new milestone, 0 on the others; judged wherever a step happened."""
+  return jnp.asarray(batch.milestones) != 0, jnp.asarray(batch.step_mask, bool)
+
+
+def _oracle_scores(batch):
+  """1 on steps whose action was the oracle's, 0 on the others; judged where recorded."""
+  match = jnp.asarray(batch.oracle_match)
+  return match == 1, jnp.asarray(batch.step_mask, bool) & (match >= 0)
+
+
+# Rule-based step verifiers: `batch -> ([B, S] score, [B, S] judged)`.
+STEP_VERIFIERS = {"milestone": _milestone_scores, "oracle": _oracle_scores}
+
+
+def _verified(batch, out: Advantages, options: AlgorithmOptions) -> Advantages:
+  """The estimator's advantages plus the weighted verifier step advantages on each step's tokens."""
+  if options.spec.needs_critic:
+    raise ValueError(f"algorithm.step_verifier adds step advantages to critic-free estimators; "
+                     f"{options.name!r} has token-level advantages (use grpo, gigpo, rloo, ...).")
+  scores, judged = STEP_VERIFIERS[options.step_verifier](batch)
+  judged = (judged & _steps_in_loss(batch, out.row_weight)
+            & tree_adv.own_steps(batch.parent, batch.branch_step, batch.step_mask))
+  step_adv = turn_adv.verifier_advantages(scores.astype(jnp.float32), judged, batch.group,
+                                          normalize_std=options.normalize_std)
+  mask = jnp.asarray(batch.loss_mask, jnp.float32) * out.row_weight[:, None]
+  extra = options.verifier_weight * adv.broadcast_steps(step_adv, batch.turn) * mask
+  return out._replace(advantages=out.advantages + extra)
+
+
 def compute_advantages(batch: EpisodeBatch, values, options: AlgorithmOptions,
                        entropy=None) -> Advantages:
-  """Filters, then the estimator `options.name`, then EMPG when `options.empg` (which needs the
-  `[B, L]` per-token `entropy` of the policy that sampled the batch)."""
+  """Filters, then the estimator `options.name`, then the step verifier's advantages when
+  `options.step_verifier`, then EMPG when `options.empg` (which needs the `[B, L]` per-token
+  `entropy` of the policy that sampled the batch)."""
   weight = group_filter(batch.score, batch.group, batch.trainable, options)
   out = options.spec.fn(batch, values, options, weight)
+  if options.step_verifier:
+    out = _verified(batch, out, options)
   if options.empg:
     out = _empg(batch, out, entropy, options)
   return out

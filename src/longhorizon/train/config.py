@@ -221,6 +221,10 @@ def _check_rules(config):
     _fail("algorithm.time_source", a.time_source,
           f"'cost' for the JAX environment {config.env.name!r}: it steps every row in one call, "
           f"so no per-step latency is measured (EpisodeBatch.latency is 0)")
+  if a.step_verifier and ALGORITHMS[a.name].needs_critic:
+    _fail("algorithm.step_verifier", a.step_verifier,
+          f"'' for algorithm.name={a.name!r}: verifier step advantages are added to critic-free "
+          f"estimators (grpo, gigpo, rloo, ...)")
   if ALGORITHMS[a.name].needs_branches and not config.rollout.branch_k:
     _fail("rollout.branch_k", config.rollout.branch_k,
           f"an integer >= 1 for algorithm.name={a.name!r}: it estimates each step's value from the "

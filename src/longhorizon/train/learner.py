@@ -329,7 +329,9 @@ class Learner:
       return rollout.collect_across_processes(
           params, self.model_config, self.env, self.codec, tasks,
           jax.random.split(key(c.seed, 5, update), n),
-          self.rollout.collect_config(c.env.max_steps, branch=True),
+          self.rollout.collect_config(
+              c.env.max_steps, branch=True,
+              record_oracle=self.algorithm.step_verifier == "oracle"),
           sampling_seed=c.seed * 1_000_003 + update,
           policy_version=update if policy_version is None else policy_version,
           task_seed=c.tasks.seed, group_offset=update * n, **extra)

@@ -183,14 +183,17 @@ class RolloutOptions(Options):
            f"rollout.group_size={self.group_size} (roots x (1 + branch_k) episodes per task)")
 
   def collect_config(self, max_steps: int, *, group_size: int | None = None,
-                     temperature: float | None = None, branch: bool = False) -> RolloutConfig:
-    """The `collect` settings; `branch=True` (the training episodes) with the branch rollouts."""
+                     temperature: float | None = None, branch: bool = False,
+                     record_oracle: bool = False) -> RolloutConfig:
+    """The `collect` settings; `branch=True` (the training episodes) with the branch rollouts,
+    `record_oracle` with each step's agreement with the oracle (the `oracle` step verifier)."""
     return RolloutConfig(group_size=group_size or self.group_size,
                          context_length=self.context_length, max_steps=max_steps,
                          turn_tokens=self.turn_tokens,
                          temperature=self.temperature if temperature is None else temperature,
                          top_k=self.top_k, top_p=self.top_p,
-                         branch_k=self.branch_k if branch else 0, branch_at=self.branch_at)
+                         branch_k=self.branch_k if branch else 0, branch_at=self.branch_at,
+                         record_oracle=record_oracle)
 
 
 @dataclasses.dataclass(frozen=True)
