@@ -129,6 +129,7 @@ def get_config(arg=None):
     config.sweep.gridworld = ()
     config.sweep.algorithms = BRANCH_CREDIT
   elif variant == "verifier_credit":
+    config.rollout.record_oracle = True  # first-error positions for every method
     config.sweep.pointer_chain = (8,)
     config.sweep.gridworld = ()
     config.sweep.algorithms = VERIFIER_CREDIT

@@ -342,3 +342,18 @@ def test_record_oracle_marks_each_step_against_the_oracle(env, codec, model):
   plain, _ = _collect(env, codec, model, branch_k=0,
                       scripted=_scripted_with_mistake(env, codec, wrong_at=1))
   assert (np.asarray(plain.oracle_match) == -1).all()  # not recorded unless asked
+
+
+def test_first_error_metrics_locate_the_first_non_oracle_action(env, codec, model):
+  from longhorizon.studies import horizon  # pylint: disable=g-import-not-at-top
+  from longhorizon.train.learner import first_error_metrics  # pylint: disable=g-import-not-at-top
+  batch, _ = _collect(env, codec, model, record_oracle=True, branch_at="first_divergence",
+                      scripted=_scripted_with_mistake(env, codec, wrong_at=1))
+  m = first_error_metrics(batch)
+  assert m["first_error/rate"] == 1.0 and m["first_error/mean_step"] == 1.0
+  assert m["first_error/at_first_step"] == 0.0 and m["first_error/step_1"] == 1.0
+  assert sum(v for k, v in m.items() if k.startswith("first_error/step_")) == pytest.approx(1.0)
+  row = horizon._first_errors(m)  # pylint: disable=protected-access
+  assert row["rate"] == 1.0 and row["by_step"].split()[:2] == ["0.0000", "1.0000"]
+  plain, _ = _collect(env, codec, model, scripted=_scripted_with_mistake(env, codec, wrong_at=1))
+  assert first_error_metrics(plain) == {} and horizon._first_errors({}) is None

@@ -110,7 +110,7 @@ def test_fields_added_since_a_run_started_resume_at_their_old_behaviour(tmp_path
                "time_discount", "time_source", "step_verifier", "verifier_weight"):
     del saved["algorithm"][name]
   del saved["loss"]["reuse_behaviour_logprobs"]
-  del saved["rollout"]["branch_k"], saved["rollout"]["branch_at"]
+  del saved["rollout"]["branch_k"], saved["rollout"]["branch_at"], saved["rollout"]["record_oracle"]
   (tmp_path / "config.json").write_text(json.dumps(saved))
   changes = workdir_lib.check_config(work, _config(), resuming=True)
   assert changes["model.moe.num_experts"] == ("<missing>", 0)

@@ -84,6 +84,11 @@ RESULT_FIELDS = ("env", "horizon", "actions", "algorithm", "seed", "updates", "e
                  "wall_s")
 CURVE_FIELDS = ("env", "horizon", "algorithm", "seed", "update", "episodes", "tokens",
                 "train_success")
+# Where training episodes first left the oracle's path, per update (runs with
+# rollout.record_oracle): the rate of episodes with an error, the mean first-error step, the
+# fraction at the first step, and the fraction at each step as one space-separated field.
+FIRST_ERROR_FIELDS = ("env", "horizon", "algorithm", "seed", "update", "rate", "mean_step",
+                      "at_first_step", "by_step")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,8 +217,21 @@ def _train(learner: Learner, params, cell: Cell, label: str) -> tuple[Any, list[
     tokens += int(round(metrics["episode_tokens"] * batch_size))
     curves.append({"env": cell.env, "horizon": cell.horizon, "algorithm": label,
                    "seed": cell.seed, "update": update + 1, "episodes": episodes,
-                   "tokens": tokens, "train_success": metrics["success_rate"]})
+                   "tokens": tokens, "train_success": metrics["success_rate"],
+                   "first_error": _first_errors(metrics)})
   return state, curves, episodes, tokens
+
+
+def _first_errors(metrics: dict) -> dict | None:
+  """The update's `first_error/...` metrics as a FIRST_ERROR_FIELDS row's values (None if the
+  run did not record oracle matches)."""
+  if "first_error/rate" not in metrics:
+    return None
+  steps = sorted((int(k.rsplit("_", 1)[1]), v) for k, v in metrics.items()
+                 if k.startswith("first_error/step_"))
+  return {"rate": metrics["first_error/rate"], "mean_step": metrics.get("first_error/mean_step", ""),
+          "at_first_step": metrics.get("first_error/at_first_step", ""),
+          "by_step": " ".join(f"{v:.4f}" for _, v in steps)}
 
 
 def run_cell(base, cell: Cell, algorithms: Sequence[str], *, log: Callable[[str], None] = print,
@@ -304,6 +322,10 @@ def run_sweep(base, cells: Sequence[Cell], algorithms: Sequence[str], out_dir: s
     log(f"[{i + 1}/{len(cells)}] {cell}")
     rows, curves = run_cell(base, cell, algorithms, log=log, setups=setups)
     _append(os.path.join(out_dir, "curves.csv"), CURVE_FIELDS, curves)
+    errors = [{**{k: c[k] for k in FIRST_ERROR_FIELDS[:5]}, **c["first_error"]}
+              for c in curves if c.get("first_error")]
+    if errors:
+      _append(os.path.join(out_dir, "first_errors.csv"), FIRST_ERROR_FIELDS, errors)
     _append(os.path.join(out_dir, "results.csv"), RESULT_FIELDS, rows)
   return read_results(out_dir)[0]
 

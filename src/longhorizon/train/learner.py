@@ -331,7 +331,8 @@ class Learner:
           jax.random.split(key(c.seed, 5, update), n),
           self.rollout.collect_config(
               c.env.max_steps, branch=True,
-              record_oracle=self.algorithm.step_verifier == "oracle"),
+              record_oracle=(self.rollout.record_oracle
+                             or self.algorithm.step_verifier == "oracle")),
           sampling_seed=c.seed * 1_000_003 + update,
           policy_version=update if policy_version is None else policy_version,
           task_seed=c.tasks.seed, group_offset=update * n, **extra)
@@ -506,4 +507,25 @@ def episode_metrics(batch, row_weight) -> dict:
   groups, scores = np.asarray(batch.group), np.asarray(batch.score)
   flat = [np.ptp(scores[groups == g]) == 0 for g in np.unique(groups)]
   out["zero_advantage_group_rate"] = float(np.mean(flat))
+  out.update(first_error_metrics(batch))
+  return out
+
+
+def first_error_metrics(batch) -> dict:
+  """Where episodes first leave the oracle's path, when the rollout recorded it
+  (`EpisodeBatch.oracle_match`; roots only, a branch's copied steps are its parent's):
+  `first_error/rate` (episodes with a non-oracle action), `/mean_step`, `/at_first_step` and
+  `/step_k` (fractions of those episodes whose first error is at step k). Empty if not recorded."""
+  match, roots = np.asarray(batch.oracle_match), np.asarray(batch.parent) < 0
+  if not (match >= 0).any():
+    return {}
+  wrong = (match == 0)[roots]
+  erring = wrong.any(-1)
+  first = np.argmax(wrong, -1)[erring]
+  out = {"first_error/rate": float(erring.mean())}
+  if erring.any():
+    counts = np.bincount(first, minlength=match.shape[1]) / len(first)
+    out.update({"first_error/mean_step": float(first.mean()),
+                "first_error/at_first_step": float(counts[0]),
+                **{f"first_error/step_{k}": float(c) for k, c in enumerate(counts)}})
   return out

@@ -176,6 +176,9 @@ class RolloutOptions(Options):
   # group_size, so a run with branches costs what one without does.
   branch_k: int = option(0, range=NON_NEGATIVE_INT)
   branch_at: str = option("uniform", choices=lambda: sorted(BRANCH_POINTS))
+  # Record each training step's agreement with the oracle's action (`EpisodeBatch.oracle_match`):
+  # the metrics then report where episodes first leave the oracle's path (`first_error/...`).
+  record_oracle: bool = option(False)
 
   def check(self):
     if self.group_size % (1 + self.branch_k):

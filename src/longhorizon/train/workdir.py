@@ -61,7 +61,7 @@ ADDED_FIELDS: dict[str, Any] = {
     "algorithm.empg_zeta": 0.05, "loss.reuse_behaviour_logprobs": False,
     "rollout.branch_k": 0, "rollout.branch_at": "uniform", "algorithm.time_discount": 0.0,
     "algorithm.time_source": "latency", "algorithm.step_verifier": "",
-    "algorithm.verifier_weight": 0.5,
+    "algorithm.verifier_weight": 0.5, "rollout.record_oracle": False,
 }
 
 
