@@ -99,7 +99,7 @@ def test_rollout_config_fields_come_from_the_config():
   assert dataclasses.asdict(rc) == {"group_size": 4, "context_length": 200, "max_steps": 7,
                                     "turn_tokens": 9, "temperature": 0.7, "top_k": 5,
                                     "top_p": 0.9, "branch_k": 0, "branch_at": "uniform",
-                                    "record_oracle": False}
+                                    "record_oracle": False, "label_parts": False}
   branched = _parse("--config.rollout.group_size=4", "--config.rollout.branch_k=1",
                     "--config.rollout.branch_at=max_entropy")
   options = RolloutOptions.from_config(branched)

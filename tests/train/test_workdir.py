@@ -107,7 +107,8 @@ def test_fields_added_since_a_run_started_resume_at_their_old_behaviour(tmp_path
   del saved["model"]["moe"], saved["model"]["lora"], saved["model"]["decode_quant"]
   del saved["model"]["remat"], saved["eval"]["greedy"]
   for name in ("unit", "vapo_length", "step_lam", "empg", "empg_k", "empg_k_future", "empg_zeta",
-               "time_discount", "time_source", "step_verifier", "verifier_weight"):
+               "time_discount", "time_source", "step_verifier", "verifier_weight",
+               "part_weights"):
     del saved["algorithm"][name]
   del saved["loss"]["reuse_behaviour_logprobs"]
   del saved["rollout"]["branch_k"], saved["rollout"]["branch_at"], saved["rollout"]["record_oracle"]

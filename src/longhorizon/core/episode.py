@@ -65,6 +65,9 @@ class EpisodeBatch:
   loss_mask: Any = _array("B L", bool)  # 1 on exactly the policy-sampled tokens (turn ends included)
   turn: Any = _array("B L", np.int32, fill=-1)  # step index of each token; -1 on prompt and padding
   behavior_logprobs: Any = _array("B L", np.float32)  # sampler log-probs on sampled tokens, else 0
+  # The part of the action each policy token belongs to (`envs.action_parts`: 0 text, 1 tool name,
+  # 2 arguments, 3 final answer); labelled when `RolloutConfig.label_parts`, else 0.
+  action_part: Any = _array("B L", np.int32)
   # Step level.
   rewards: Any = _array("B S", np.float32)  # per-step reward (composed; see reward components)
   step_mask: Any = _array("B S", bool)  # 1 on steps that happened

@@ -11,6 +11,7 @@ import dataclasses
 import numpy as np
 
 from longhorizon.core.episode import EpisodeBatch, Termination, empty
+from longhorizon.envs.action_parts import ANSWER
 from longhorizon.envs.types import ErrorCode, TimeStep
 from longhorizon.envs.rewards import RewardSpec, compose_rewards
 
@@ -152,6 +153,18 @@ class EpisodeBuffer:
     rows = np.nonzero(active)[0]
     self.batch.oracle_match[rows, _per_row(t, len(active))[rows]] = np.asarray(match)[rows]
 
+  def label_parts(self, r: int, start: int, parts) -> None:
+    """Writes the action parts (`envs.action_parts`) of row `r`'s turn written at `start`."""
+    self.batch.action_part[r, start:start + len(parts)] = parts
+
+  def label_answers(self) -> None:
+    """Marks every policy token of each terminated episode's last step as the final answer."""
+    out = self.batch
+    last = out.step_mask.sum(-1) - 1
+    answer = (out.loss_mask & (out.turn == last[:, None]) & out.terminated[:, None]
+              & (last[:, None] >= 0))
+    out.action_part[answer] = ANSWER
+
   def stop(self, r: int, kind: Termination) -> None:
     """Ends row `r` as truncated by the loop (`TIMEOUT` or `CONTEXT_OVERFLOW`)."""
     self.done[r] = True
@@ -186,7 +199,8 @@ def _per_row(t, b: int) -> np.ndarray:
 
 
 # What `fork` copies of a parent row: every per-row field of the batch being filled.
-_TOKEN_FIELDS = ("tokens", "positions", "attention_mask", "loss_mask", "turn", "behavior_logprobs")
+_TOKEN_FIELDS = ("tokens", "positions", "attention_mask", "loss_mask", "turn", "behavior_logprobs",
+                 "action_part")
 _STEP_FIELDS = ("rewards", "step_mask", "anchor", "milestones", "cost", "latency", "violation",
                 "env_error", "oracle_match")
 _ROW_FIELDS = _TOKEN_FIELDS + _STEP_FIELDS + (

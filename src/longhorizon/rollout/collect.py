@@ -47,7 +47,7 @@ import numpy as np
 
 from longhorizon import sampling as sampler
 from longhorizon.core.episode import EpisodeBatch, Termination
-from longhorizon.envs import Action, Environment
+from longhorizon.envs import Action, Environment, action_parts
 from longhorizon.envs.base import batch_reset, batch_step, stack_actions
 from longhorizon.envs.testing import random_action
 from longhorizon.envs.types import row, to_numpy
@@ -80,6 +80,9 @@ class RolloutConfig:
   # Record each step's agreement with the oracle's action (`EpisodeBatch.oracle_match`; one oracle
   # call per step), for the `oracle` step verifier; `first_divergence` branching records it too.
   record_oracle: bool = False
+  # Label each policy token with the part of the action it belongs to (`EpisodeBatch.action_part`:
+  # tool name, arguments, final answer, free text), for per-part loss weights.
+  label_parts: bool = False
 
   def __post_init__(self):
     for name in ("group_size", "context_length", "max_steps", "turn_tokens"):
@@ -211,7 +214,8 @@ def collect(params, model_config: ModelConfig, env: Environment, codec, tasks: A
   labels = dict(policy_version=policy_version, task_seed=task_seed, sampling_seed=sampling_seed)
   with _timed(stats, "host_s"):
     env_seed = np.asarray(jax.random.key_data(rows_keys))[:, -1]
-    batch = _finish(buffer, policy, env, reward, task_of_row + group_offset, env_seed, labels)
+    batch = _finish(buffer, policy, env, reward, task_of_row + group_offset, env_seed, labels,
+                    config)
     stats.episode_info = dict(rows.episode_info(), **buffer.episode_info())
   if config.branch_k:
     batch = _branch(batch, buffer, policy, rows, env, codec, config, stats, row_ids, labels,
@@ -234,8 +238,14 @@ def _run_turns(buffer: EpisodeBuffer, policy, rows, codec, config: RolloutConfig
     with _timed(stats, "generation_s"):
       turn = policy.turn(rows.states(active), active, buffer.budgets(config.turn_tokens))
     with _timed(stats, "host_s"):
+      starts = buffer.end.copy()
       stats.sampled_tokens += buffer.write_turn(steps, active, turn.tokens, turn.logprobs,
                                                 turn.lengths)
+      if config.label_parts:
+        for r in np.nonzero(active & (turn.lengths > 0))[0]:
+          ids = turn.tokens[r, :int(turn.lengths[r])]
+          buffer.label_parts(r, starts[r], action_parts.token_parts(
+              codec.decode, ids, codec.style, codec.stop_token_ids))
     with _timed(stats, "env_s"):
       ts = rows.step(turn, active)
       if rows.track_oracle:
@@ -253,7 +263,10 @@ def _run_turns(buffer: EpisodeBuffer, policy, rows, codec, config: RolloutConfig
         policy.extend(observations)
 
 
-def _finish(buffer: EpisodeBuffer, policy, env, reward, groups, env_seed, labels) -> EpisodeBatch:
+def _finish(buffer: EpisodeBuffer, policy, env, reward, groups, env_seed, labels,
+            config: RolloutConfig) -> EpisodeBatch:
+  if config.label_parts:
+    buffer.label_answers()
   batch = buffer.finish(reward, **_labels(env, reward, groups, env_seed, **labels))
   return batch.replace(routing=policy.routing(buffer.end, batch.attention_mask))
 
@@ -284,7 +297,7 @@ def _branch(batch: EpisodeBatch, buffer: EpisodeBuffer, policy, rows, env, codec
              on_env_step)
   with _timed(stats, "host_s"):
     child = _finish(child_buffer, child_policy, env, env.reward_spec, batch.group[parents],
-                    batch.env_seed[parents], labels)
+                    batch.env_seed[parents], labels, config)
     n = batch.batch_size // roots
     order = np.concatenate([np.concatenate([i * roots + np.arange(roots), batch.batch_size
                                             + i * roots * k + np.arange(roots * k)])

@@ -34,6 +34,10 @@ the oracle's, `EpisodeBatch.oracle_match`) adds `verifier_weight` times the veri
 group-relative step advantage (`turn_advantages.verifier_advantages`) to a critic-free estimator's
 advantages: step-local credit that is never folded into the outcome reward.
 
+`part_weights` (text, tool name, arguments, final answer) multiplies each policy token's advantage
+by the weight of the action part it belongs to (`EpisodeBatch.action_part`, labelled by the
+rollout when a weight is not 1): hierarchical credit over the parts of a tool call.
+
 `empg=True` modulates the step advantages of a critic-free estimator by the policy's step entropy
 (EMPG, `turn_advantages.empg`); the learner then computes per-token entropies before the update.
 """
@@ -41,6 +45,7 @@ advantages: step-local credit that is never folded into the outcome reward.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, NamedTuple
 
 import jax
@@ -51,7 +56,9 @@ from longhorizon.core import advantages as adv
 from longhorizon.core import tree_advantages as tree_adv
 from longhorizon.core import turn_advantages as turn_adv
 from longhorizon.core.episode import EpisodeBatch
-from longhorizon.train.options import DISCOUNT, NON_NEGATIVE, POSITIVE, Options, Range, option
+from longhorizon.envs.action_parts import PART_NAMES
+from longhorizon.train.options import (DISCOUNT, NON_NEGATIVE, POSITIVE, Options, Range, fail,
+                                       option)
 
 __all__ = ["ALGORITHMS", "ADVANTAGE_KINDS", "STEP_VERIFIERS", "Algorithm", "Advantages",
            "AlgorithmOptions",
@@ -101,6 +108,22 @@ class AlgorithmOptions(Options):
   # into the outcome reward (`turn_advantages.verifier_advantages`).
   step_verifier: str = option("", choices=lambda: ("",) + tuple(sorted(STEP_VERIFIERS)))
   verifier_weight: float = option(0.5, range=NON_NEGATIVE)
+  # Hierarchical credit: loss weights of the action's parts (text, tool name, arguments, final
+  # answer; `envs.action_parts`), multiplying each policy token's advantage; all 1 = off (the
+  # rollout then does not label parts).
+  part_weights: tuple = option((1.0, 1.0, 1.0, 1.0))
+
+  def check(self):
+    w = self.part_weights
+    if (not isinstance(w, (tuple, list)) or len(w) != len(PART_NAMES)
+        or not all(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in w)):
+      fail("algorithm.part_weights", w, f"{len(PART_NAMES)} finite weights >= 0 for the parts "
+           f"{PART_NAMES}")
+
+  @property
+  def labels_parts(self) -> bool:
+    """Whether the rollout must label each token's action part (some part weight is not 1)."""
+    return any(float(x) != 1.0 for x in self.part_weights)
 
   @property
   def spec(self) -> "Algorithm":
@@ -330,6 +353,9 @@ def compute_advantages(batch: EpisodeBatch, values, options: AlgorithmOptions,
   out = options.spec.fn(batch, values, options, weight)
   if options.step_verifier:
     out = _verified(batch, out, options)
+  if options.labels_parts:
+    weights = jnp.asarray(options.part_weights, jnp.float32)[jnp.asarray(batch.action_part)]
+    out = out._replace(advantages=out.advantages * weights)
   if options.empg:
     out = _empg(batch, out, entropy, options)
   return out

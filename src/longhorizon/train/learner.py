@@ -332,7 +332,8 @@ class Learner:
           self.rollout.collect_config(
               c.env.max_steps, branch=True,
               record_oracle=(self.rollout.record_oracle
-                             or self.algorithm.step_verifier == "oracle")),
+                             or self.algorithm.step_verifier == "oracle"),
+              label_parts=self.algorithm.labels_parts),
           sampling_seed=c.seed * 1_000_003 + update,
           policy_version=update if policy_version is None else policy_version,
           task_seed=c.tasks.seed, group_offset=update * n, **extra)
