@@ -133,6 +133,11 @@ def get_config(arg=None):
   config.curriculum.alpha = 1.0  # weights [p (1 - p)]^alpha from running success estimates
   config.curriculum.floor = 0.0  # minimum probability per bucket (0: 0.1 / num_buckets)
   config.curriculum.ema = 0.1  # rate of the running success estimates
+  # Horizon curriculum (ScalingInter-RL): episodes get step_budgets[0] steps, then the next budget
+  # once the running training success (rate curriculum.ema) reaches grow_at; () = off, every
+  # episode gets env.max_steps.
+  config.curriculum.step_budgets = ()
+  config.curriculum.grow_at = 0.5
 
   # Policy-collapse alarms (logged, and as alarm/* metrics).
   config.alarm = ml_collections.ConfigDict()

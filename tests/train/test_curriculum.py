@@ -233,3 +233,72 @@ def test_draw_tasks_round_robin_and_resume():
   resumed = Curriculum(3, floor=0.1)
   resumed.load_state_dict(meta["curriculum"])
   np.testing.assert_array_equal(run(resumed, range(3, 6)), straight[3:])
+
+
+# ----------------------------------------------------------------------------------------------------
+# The horizon (step-budget) curriculum.
+
+
+def test_horizon_curriculum_by_hand():
+  from longhorizon.train.curriculum import HorizonCurriculum  # pylint: disable=g-import-not-at-top
+  h = HorizonCurriculum((2, 4, 6), grow_at=0.5, ema=0.5)
+  assert h.budget == 2
+  assert not h.update(0.8) and h.success == pytest.approx(0.4)  # 0.5 * 0 + 0.5 * 0.8
+  assert h.update(0.8) and h.budget == 4 and h.success == 0.0  # 0.6 >= 0.5: grow, restart
+  assert not h.update(0.2) and h.budget == 4
+  state = h.state_dict()
+  again = HorizonCurriculum((2, 4, 6), grow_at=0.5, ema=0.5)
+  again.load_state_dict(state)
+  assert (again.stage, again.success) == (h.stage, h.success)
+  for _ in range(10):
+    h.update(1.0)
+  assert h.budget == 6 and h.metrics()["horizon/step_budget"] == 6.0  # the last budget stays
+  with pytest.raises(ValueError, match="same curriculum.step_budgets"):
+    HorizonCurriculum((2, 6)).load_state_dict(state)
+  with pytest.raises(ValueError, match="increasing integers"):
+    HorizonCurriculum((4, 2))
+
+
+def test_step_budget_truncates_without_changing_the_batch_shape():
+  import jax  # pylint: disable=g-import-not-at-top
+  from longhorizon import envs, rollout  # pylint: disable=g-import-not-at-top
+  from longhorizon.core.episode import Termination  # pylint: disable=g-import-not-at-top
+  from longhorizon.envs import testing  # pylint: disable=g-import-not-at-top
+  env = envs.make("pointer_chain", horizon=2)  # the oracle needs 3 steps
+  codec = env.codec(style="compact")
+  keys = jax.random.split(jax.random.key(0), 2)
+  for budget, steps, kind in ((2, 2, Termination.TIMEOUT), (0, 3, Termination.SUCCESS)):
+    rc = rollout.RolloutConfig(group_size=2, context_length=96, max_steps=5, turn_tokens=4,
+                               step_budget=budget)
+    batch, _ = rollout.collect(None, None, env, codec, testing.tasks_from_keys(env, keys), keys, rc,
+                               sampling_seed=0, scripted=rollout.oracle_turns(env, codec))
+    assert batch.max_steps == 5
+    assert (batch.num_steps == steps).all() and (batch.termination == kind).all()
+  with pytest.raises(ValueError, match="step_budget=6"):
+    rollout.RolloutConfig(max_steps=5, step_budget=6)
+
+
+@pytest.mark.slow
+def test_horizon_curriculum_runs_logs_and_checkpoints(tmp_path):
+  from configs import default as default_config  # pylint: disable=g-import-not-at-top
+  from longhorizon.train import config as config_lib  # pylint: disable=g-import-not-at-top
+  from longhorizon.train import loop  # pylint: disable=g-import-not-at-top
+  from longhorizon.train.checkpoints import Checkpointer  # pylint: disable=g-import-not-at-top
+  from longhorizon.train.metrics import read_metrics  # pylint: disable=g-import-not-at-top
+  config = default_config.get_config("smoke")
+  config.unlock()
+  config.tasks.data_dir = str(tmp_path / "tasks")
+  for path, value in {"num_updates": 2, "checkpoint_every": 1, "curriculum.step_budgets": (1, 3),
+                      "curriculum.grow_at": 0.01, "curriculum.ema": 1.0}.items():
+    config_lib.set_path(config, path, value)
+  config.lock()
+  loop.train_and_evaluate(config, str(tmp_path / "run"))
+  rows = read_metrics(str(tmp_path / "run"))
+  # Update 1 ran with 1 step per episode: every episode stopped after its first step.
+  assert rows[0]["horizon/step_budget"] == 1.0 and rows[0]["episode_steps"] == 1.0
+  _, meta = Checkpointer(str(tmp_path / "run" / "checkpoints")).restore()
+  assert meta["horizon"]["budgets"] == [1, 3] and meta["horizon"]["stage"] in (0, 1)
+  bad = default_config.get_config("smoke")
+  bad.curriculum.step_budgets = (3, 1)
+  with pytest.raises(config_lib.ConfigError, match="curriculum.step_budgets"):
+    config_lib.validate(bad)

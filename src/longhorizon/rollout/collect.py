@@ -83,6 +83,9 @@ class RolloutConfig:
   # Label each policy token with the part of the action it belongs to (`EpisodeBatch.action_part`:
   # tool name, arguments, final answer, free text), for per-part loss weights.
   label_parts: bool = False
+  # Steps an episode may take before it is truncated (TIMEOUT), when below `max_steps` (a horizon
+  # curriculum grows it); the batch keeps `max_steps` step slots, so nothing recompiles. 0 = max.
+  step_budget: int = 0
 
   def __post_init__(self):
     for name in ("group_size", "context_length", "max_steps", "turn_tokens"):
@@ -92,6 +95,9 @@ class RolloutConfig:
       raise ValueError(f"RolloutConfig.branch_k={self.branch_k}: group_size={self.group_size} "
                        f"episodes per task must be roots x (1 + branch_k) with branch_k >= 0; "
                        f"choose a branch_k + 1 that divides group_size.")
+    if not 0 <= self.step_budget <= self.max_steps:
+      raise ValueError(f"RolloutConfig.step_budget={self.step_budget} must be in [0, max_steps="
+                       f"{self.max_steps}] (0 = max_steps).")
     if self.branch_at not in BRANCH_POINTS:
       raise ValueError(f"RolloutConfig.branch_at must be one of {sorted(BRANCH_POINTS)}, got "
                        f"{self.branch_at!r}.")
@@ -688,7 +694,7 @@ def _append_observations(buffer: EpisodeBuffer, codec, config: RolloutConfig,
   eot = codec.stop_token_ids[0]
   appended = [[] for _ in range(len(rows))]
   for r in np.nonzero(rows)[0]:
-    if steps[r] + 1 >= config.max_steps:
+    if steps[r] + 1 >= (config.step_budget or config.max_steps):
       buffer.stop(r, Termination.TIMEOUT)
       continue
     ids, text = observation(r)

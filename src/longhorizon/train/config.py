@@ -77,6 +77,7 @@ RANGES: dict[str, Range] = {
     "curriculum.alpha": _NON_NEGATIVE,
     "curriculum.floor": Range(float, 0, 1, note="0 = 0.1 / num_buckets; at most 1 / num_buckets"),
     "curriculum.ema": Range(float, 0, 1, low_open=True, note="rate of the running estimates"),
+    "curriculum.grow_at": Range(float, 0, 1, low_open=True, note="running training success"),
     "alarm.min_entropy": _NON_NEGATIVE,
     "alarm.max_zero_advantage_rate": _PROBABILITY, "alarm.success_ceiling": _PROBABILITY,
     "checkpoint_every": _COUNT, "keep_checkpoints": _COUNT,
@@ -248,11 +249,21 @@ def _check_rules(config):
   if c.num_buckets and c.floor > 1 / c.num_buckets:
     _fail("curriculum.floor", c.floor,
           f"at most 1 / curriculum.num_buckets = {1 / c.num_buckets:.6g} (or 0 for the default)")
+  budgets = c.step_budgets
+  if not isinstance(budgets, (tuple, list)) or (budgets and (
+      not all(isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= config.env.max_steps
+              for b in budgets) or list(budgets) != sorted(set(budgets)))):
+    _fail("curriculum.step_budgets", budgets,
+          f"increasing integers in [1, env.max_steps={config.env.max_steps}] (or () for off)")
 
 
 def _check_off_policy(config):
   """The asynchronous rollouts against the curriculum, and the behaviour log-probs as the proximal
   anchor against anything that makes the sampler's policy differ from the learner's."""
+  if config.rollout.mode == "async" and config.curriculum.step_budgets:
+    _fail("curriculum.step_budgets", tuple(config.curriculum.step_budgets),
+          "() with rollout.mode='async' (the budget grows with the learner's success, which the "
+          "actors run ahead of)")
   if config.rollout.mode == "async" and config.curriculum.num_buckets:
     _fail("curriculum.num_buckets", config.curriculum.num_buckets,
           "0 with rollout.mode='async' (the curriculum draws tasks from the learner's latest "

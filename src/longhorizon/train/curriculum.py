@@ -35,7 +35,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["Curriculum", "bucket_indices", "draw_tasks"]
+__all__ = ["Curriculum", "HorizonCurriculum", "bucket_indices", "draw_tasks"]
 
 logger = logging.getLogger(__name__)
 
@@ -380,3 +380,52 @@ def draw_tasks(curriculum: Curriculum, bucket_indices: Sequence[np.ndarray],
     tasks[draws] = members[bucket][(cursor[bucket] + np.arange(draws.size)) % sizes[bucket]]
     cursor[bucket] += draws.size
   return tasks, buckets, cursor
+
+
+class HorizonCurriculum:
+  """Grows the episodes' step budget with the learner's success (ScalingInter-RL; Xi et al. 2025,
+  "AgentGym-RL": short interaction horizons first, then longer ones).
+
+  Training starts with `budgets[0]` steps per episode. After every update the running success
+  `p <- (1 - ema) p + ema * success_rate` is compared with `grow_at`; once it is reached the next
+  budget applies and `p` restarts at 0 (a longer budget makes the task harder to finish: its
+  success has to be earned again). The last budget stays.
+
+  Its state (stage, running success) is a dict for the checkpoint meta: a resumed run continues
+  at the same stage.
+  """
+
+  def __init__(self, budgets, grow_at: float = 0.5, ema: float = 0.3):
+    budgets = [int(b) for b in budgets]
+    if not budgets or any(b < 1 for b in budgets) or budgets != sorted(set(budgets)):
+      raise ValueError(f"step budgets must be increasing integers >= 1, got {budgets}.")
+    if not 0.0 < grow_at <= 1.0 or not 0.0 < ema <= 1.0:
+      raise ValueError(f"grow_at and ema must be in (0, 1], got {grow_at} and {ema}.")
+    self.budgets, self.grow_at, self.ema = budgets, float(grow_at), float(ema)
+    self.stage, self.success = 0, 0.0
+
+  @property
+  def budget(self) -> int:
+    return self.budgets[self.stage]
+
+  def update(self, success_rate: float) -> bool:
+    """Folds in one update's training success; returns whether the budget grew."""
+    self.success = (1 - self.ema) * self.success + self.ema * float(success_rate)
+    if self.success >= self.grow_at and self.stage + 1 < len(self.budgets):
+      self.stage, self.success = self.stage + 1, 0.0
+      return True
+    return False
+
+  def metrics(self) -> dict:
+    return {"horizon/step_budget": float(self.budget), "horizon/stage": float(self.stage),
+            "horizon/running_success": self.success}
+
+  def state_dict(self) -> dict:
+    return {"budgets": list(self.budgets), "grow_at": self.grow_at, "ema": self.ema,
+            "stage": self.stage, "success": self.success}
+
+  def load_state_dict(self, state: dict) -> None:
+    if list(state["budgets"]) != self.budgets:
+      raise ValueError(f"the checkpoint's horizon curriculum has step budgets {state['budgets']}, "
+                       f"the config {self.budgets}; resume with the same curriculum.step_budgets.")
+    self.stage, self.success = int(state["stage"]), float(state["success"])

@@ -313,12 +313,14 @@ class Learner:
     return task_suites.stack(self.train_tasks, [(start + i) % n for i in range(count)])
 
   def collect_batch(self, params, update: int, data_position: int, timer: Timer,
-                    task_indices=None, *, policy_version: int | None = None, on_env_step=None):
+                    task_indices=None, *, policy_version: int | None = None, on_env_step=None,
+                    step_budget: int | None = None):
     """The rollout half of RL update `update`: `(EpisodeBatch, RolloutStats)` sampled with
     `params`. Tasks are the next `num_tasks` train tasks from `data_position`, or `task_indices`
     (curriculum). In a multi-host run each process collects its share and all get the whole batch.
     Environment keys, sampling seed and group labels derive from `update`; `policy_version`
-    (default `update`) is recorded on every episode; `on_env_step` goes to `rollout.collect`."""
+    (default `update`) is recorded on every episode; `on_env_step` goes to `rollout.collect`;
+    `step_budget` (a horizon curriculum's) truncates episodes sooner than `env.max_steps`."""
     c, n = self.config, self.rollout.num_tasks
     if task_indices is None:
       tasks = self.tasks_at(data_position, n)
@@ -333,7 +335,7 @@ class Learner:
               c.env.max_steps, branch=True,
               record_oracle=(self.rollout.record_oracle
                              or self.algorithm.step_verifier == "oracle"),
-              label_parts=self.algorithm.labels_parts),
+              label_parts=self.algorithm.labels_parts, step_budget=step_budget),
           sampling_seed=c.seed * 1_000_003 + update,
           policy_version=update if policy_version is None else policy_version,
           task_seed=c.tasks.seed, group_offset=update * n, **extra)
@@ -376,9 +378,10 @@ class Learner:
         episode_lib.used_length(batch), full, self.optim.length_buckets))
 
   def step(self, state: TrainState, update: int, data_position: int, timer: Timer, hook=None,
-           task_indices=None):
+           task_indices=None, step_budget: int | None = None):
     """One synchronous RL update: `collect_batch` with the current parameters, then `learn`."""
-    batch, stats = self.collect_batch(state.params, update, data_position, timer, task_indices)
+    batch, stats = self.collect_batch(state.params, update, data_position, timer, task_indices,
+                                      step_budget=step_budget)
     if hook is not None:
       hook("update", update)
     return self.learn(state, batch, stats, timer)

@@ -50,7 +50,8 @@ from longhorizon.train import config as config_lib
 from longhorizon.train import workdir as workdir_lib
 from longhorizon.train.async_rollout import AsyncRollouts
 from longhorizon.train.checkpoints import Checkpointer
-from longhorizon.train.curriculum import Curriculum, bucket_indices, draw_tasks
+from longhorizon.train.curriculum import (Curriculum, HorizonCurriculum, bucket_indices,
+                                          draw_tasks)
 from longhorizon.train.learner import Learner
 from longhorizon.train.metrics import MetricsWriter, Progress, Timer, read_metrics
 from longhorizon.train.update import TrainState
@@ -89,6 +90,18 @@ def _evaluate_both(s: Learner, params, seed: int, full: bool = False) -> dict:
 def _rate(value) -> str:
   """A success rate for the log (greedy ones are None when `eval.greedy` is off)."""
   return "off" if value is None else f"{value:.3f}"
+
+
+def make_horizon_curriculum(config, state_dict=None) -> HorizonCurriculum | None:
+  """The step-budget curriculum of `config.curriculum.step_budgets` (None when empty), at the
+  checkpoint's stage when resuming."""
+  c = config.curriculum
+  if not c.step_budgets:
+    return None
+  horizon = HorizonCurriculum(c.step_budgets, grow_at=c.grow_at, ema=c.ema)
+  if state_dict is not None:
+    horizon.load_state_dict(state_dict)
+  return horizon
 
 
 def make_curriculum(s: Learner, state_dict=None):
@@ -262,6 +275,7 @@ def _train_and_evaluate(s: Learner, config, workdir: str, *, hook=None, init_fro
   skipped_before = int(jax.device_get(state.skipped))
   param_bytes = params_bytes_per_device(state.params)
   curriculum, buckets = make_curriculum(s, meta.get("curriculum"))
+  horizon = make_horizon_curriculum(config, meta.get("horizon"))
   pipeline = None
   if config.rollout.mode == "async" and start < config.num_updates:
     # Actor threads sample with published copies of the parameters (train/async_rollout.py); a
@@ -279,7 +293,8 @@ def _train_and_evaluate(s: Learner, config, workdir: str, *, hook=None, init_fro
           curriculum, buckets, np.random.default_rng([config.seed, update]),
           config.rollout.num_tasks, curriculum.cursor)
     if pipeline is None:
-      state, metrics = s.step(state, update, data_position, timer, hook, task_indices)
+      state, metrics = s.step(state, update, data_position, timer, hook, task_indices,
+                              step_budget=horizon.budget if horizon else None)
     else:
       state, metrics = pipeline.step(state, update, timer, hook)
     task_success = metrics.pop("_task_success")
@@ -287,6 +302,10 @@ def _train_and_evaluate(s: Learner, config, workdir: str, *, hook=None, init_fro
       curriculum.update(task_buckets, task_success)
       metrics.update(curriculum.metrics())
       meta = dict(meta, curriculum=curriculum.state_dict())
+    if horizon is not None:
+      metrics.update(horizon.metrics())  # the budget this update ran with
+      horizon.update(metrics["success_rate"])
+      meta = dict(meta, horizon=horizon.state_dict())
     if pipeline is None:
       data_position += config.rollout.num_tasks
     else:

@@ -187,7 +187,8 @@ class RolloutOptions(Options):
 
   def collect_config(self, max_steps: int, *, group_size: int | None = None,
                      temperature: float | None = None, branch: bool = False,
-                     record_oracle: bool = False, label_parts: bool = False) -> RolloutConfig:
+                     record_oracle: bool = False, label_parts: bool = False,
+                     step_budget: int | None = None) -> RolloutConfig:
     """The `collect` settings; `branch=True` (the training episodes) with the branch rollouts,
     `record_oracle` with each step's agreement with the oracle (the `oracle` step verifier)."""
     return RolloutConfig(group_size=group_size or self.group_size,
@@ -196,7 +197,8 @@ class RolloutOptions(Options):
                          temperature=self.temperature if temperature is None else temperature,
                          top_k=self.top_k, top_p=self.top_p,
                          branch_k=self.branch_k if branch else 0, branch_at=self.branch_at,
-                         record_oracle=record_oracle, label_parts=label_parts)
+                         record_oracle=record_oracle, label_parts=label_parts,
+                         step_budget=step_budget or 0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,7 +62,8 @@ ADDED_FIELDS: dict[str, Any] = {
     "rollout.branch_k": 0, "rollout.branch_at": "uniform", "algorithm.time_discount": 0.0,
     "algorithm.time_source": "latency", "algorithm.step_verifier": "",
     "algorithm.verifier_weight": 0.5, "rollout.record_oracle": False,
-    "algorithm.part_weights": [1.0, 1.0, 1.0, 1.0],
+    "algorithm.part_weights": [1.0, 1.0, 1.0, 1.0], "curriculum.step_budgets": [],
+    "curriculum.grow_at": 0.5,
 }
 
 
