@@ -47,6 +47,8 @@ def _other_values(field: dataclasses.Field):
     return [not default]
   if isinstance(default, str):  # free text (a path)
     return [default + "elsewhere.jsonl"]
+  if isinstance(default, tuple) and default and all(isinstance(x, float) for x in default):
+    return [tuple(0.5 * x for x in default)]  # weights, e.g. algorithm.part_weights
   if isinstance(default, tuple):  # pairs, e.g. pool.tool_rate_limits
     return [(("refund", 2.0),)]
   valid = meta["range"]
@@ -62,6 +64,9 @@ def _flag_text(value) -> str:
 
 
 SPECS = config_lib.SPECS
+# Options that apply only together with others: the flags that make them valid.
+_COMPANIONS = {"algorithm.time_discount": ("--config.algorithm.name=gigpo",
+                                           "--config.algorithm.time_source=cost")}
 
 
 def _fields():
@@ -77,7 +82,7 @@ def test_every_option_is_reachable_from_the_command_line(spec, field):
   tried = []
   for value in _other_values(field):
     path = f"{spec.SECTION}.{field.name}"
-    config = _parse(f"--config.{path}={_flag_text(value)}")
+    config = _parse(f"--config.{path}={_flag_text(value)}", *_COMPANIONS.get(path, ()))
     try:
       config_lib.validate(config)
     except ConfigError as e:
@@ -99,7 +104,8 @@ def test_rollout_config_fields_come_from_the_config():
   assert dataclasses.asdict(rc) == {"group_size": 4, "context_length": 200, "max_steps": 7,
                                     "turn_tokens": 9, "temperature": 0.7, "top_k": 5,
                                     "top_p": 0.9, "branch_k": 0, "branch_at": "uniform",
-                                    "record_oracle": False, "label_parts": False}
+                                    "record_oracle": False, "label_parts": False,
+                                    "step_budget": 0}
   branched = _parse("--config.rollout.group_size=4", "--config.rollout.branch_k=1",
                     "--config.rollout.branch_at=max_entropy")
   options = RolloutOptions.from_config(branched)
