@@ -269,13 +269,19 @@ def _stay_then_up(codec):
   return turns
 
 
-@pytest.mark.parametrize("snapshots", [True, False])
-def test_host_branches_continue_from_the_parent_state(snapshots):
+def _host_fixtures():
+  """tests/envs/host_fixtures.py (the pool tests' host environments), imported by its name."""
+  import importlib  # pylint: disable=g-import-not-at-top
   import os  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                   "envs"))
-  import host_fixtures as hf  # pylint: disable=g-import-not-at-top
+  return importlib.import_module("host_fixtures")
+
+
+@pytest.mark.parametrize("snapshots", [True, False])
+def test_host_branches_continue_from_the_parent_state(snapshots):
+  hf = _host_fixtures()
   from longhorizon.envs.pool import close_pools  # pylint: disable=g-import-not-at-top
   env = (hf.FaultyCounter if snapshots else hf.Counter)(success=1.0, milestone=0.5)
   codec = env.codec()
@@ -307,11 +313,7 @@ def test_host_branches_continue_from_the_parent_state(snapshots):
 
 
 def test_host_steps_record_their_measured_latency():
-  import os  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
-  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                  "envs"))
-  import host_fixtures as hf  # pylint: disable=g-import-not-at-top
+  hf = _host_fixtures()
   from longhorizon.envs.pool import close_pools  # pylint: disable=g-import-not-at-top
   env = hf.Counter(latency_s=0.05, success=1.0)
   codec = env.codec()
