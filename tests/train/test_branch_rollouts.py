@@ -359,3 +359,17 @@ def test_first_error_metrics_locate_the_first_non_oracle_action(env, codec, mode
   assert row["rate"] == 1.0 and row["by_step"].split()[:2] == ["0.0000", "1.0000"]
   plain, _ = _collect(env, codec, model, scripted=_scripted_with_mistake(env, codec, wrong_at=1))
   assert first_error_metrics(plain) == {} and horizon._first_errors({}) is None
+
+
+def test_shared_prompts_sample_the_same_episodes(env, codec, model):
+  """Each task's prompt prefilled once and copied to its rows gives the rollouts of prefilling
+  every row (the same tokens; log-probs equal up to float rounding), branches included."""
+  config, params = model
+  for branch_k in (0, 2):
+    plain, _ = _collect(env, codec, model, branch_k=branch_k)
+    shared, _ = _collect(env, codec, model, branch_k=branch_k, share_prompts=True)
+    np.testing.assert_array_equal(shared.tokens, plain.tokens)
+    np.testing.assert_allclose(shared.behavior_logprobs, plain.behavior_logprobs, atol=1e-5)
+  lp = np.asarray(episode_logprobs(params, config, to_device(shared), temperature=1.0))
+  np.testing.assert_allclose(lp[shared.loss_mask], shared.behavior_logprobs[shared.loss_mask],
+                             atol=1e-4)

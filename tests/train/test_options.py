@@ -105,7 +105,7 @@ def test_rollout_config_fields_come_from_the_config():
                                     "turn_tokens": 9, "temperature": 0.7, "top_k": 5,
                                     "top_p": 0.9, "branch_k": 0, "branch_at": "uniform",
                                     "record_oracle": False, "label_parts": False,
-                                    "step_budget": 0}
+                                    "step_budget": 0, "share_prompts": False}
   branched = _parse("--config.rollout.group_size=4", "--config.rollout.branch_k=1",
                     "--config.rollout.branch_at=max_entropy")
   options = RolloutOptions.from_config(branched)

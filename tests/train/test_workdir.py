@@ -113,6 +113,7 @@ def test_fields_added_since_a_run_started_resume_at_their_old_behaviour(tmp_path
   del saved["loss"]["reuse_behaviour_logprobs"]
   del saved["rollout"]["branch_k"], saved["rollout"]["branch_at"], saved["rollout"]["record_oracle"]
   del saved["curriculum"]["step_budgets"], saved["curriculum"]["grow_at"]
+  del saved["rollout"]["share_prompts"]
   (tmp_path / "config.json").write_text(json.dumps(saved))
   changes = workdir_lib.check_config(work, _config(), resuming=True)
   assert changes["model.moe.num_experts"] == ("<missing>", 0)

@@ -86,6 +86,10 @@ class RolloutConfig:
   # Steps an episode may take before it is truncated (TIMEOUT), when below `max_steps` (a horizon
   # curriculum grows it); the batch keeps `max_steps` step slots, so nothing recompiles. 0 = max.
   step_budget: int = 0
+  # Prefill each distinct prompt once and copy its cache to the rows that share it (a task's G
+  # rollouts): G times less prompt prefill. Float rounding may differ from prefilling every row
+  # (another batch size), so it is a choice, off by default.
+  share_prompts: bool = False
 
   def __post_init__(self):
     for name in ("group_size", "context_length", "max_steps", "turn_tokens"):
@@ -592,9 +596,22 @@ class _ModelPolicy:
     self.row_keys = sampler.per_row_keys(sampling_seed, np.asarray(row_ids))
     self.rule = config.sampling(codec.stop_token_ids)
     if prompts is not None:
-      tokens, lengths = sampler.pad_rows(prompts, minimum=8, maximum=self.length)
-      self.cache, self.last_logits = sampler.prefill(self.params, model_config, tokens, lengths,
-                                                     self.length)
+      self._prefill(prompts, config.share_prompts)
+
+  def _prefill(self, prompts, share: bool) -> None:
+    """The prompts' cache; with `share`, each distinct prompt is encoded once and its cache row
+    copied to every row that has it (`sampler.fork_cache`)."""
+    index = np.arange(len(prompts))
+    if share:
+      first: dict = {}
+      index = np.array([first.setdefault(tuple(p), len(first)) for p in prompts])
+      prompts = [list(p) for p in first]
+    tokens, lengths = sampler.pad_rows(prompts, minimum=8, maximum=self.length)
+    cache, logits = sampler.prefill(self.params, self.model_config, tokens, lengths, self.length)
+    if share:
+      cache = sampler.fork_cache(cache, index, lengths[index])
+      logits = logits[jnp.asarray(index)]
+    self.cache, self.last_logits = cache, logits
 
   def fork(self, parents, prefix_ends, last_tokens, row_ids) -> "_ModelPolicy":
     """Branch rows from this policy's cache without prefilling their prefixes again: row `i` gets

@@ -179,6 +179,8 @@ class RolloutOptions(Options):
   # Record each training step's agreement with the oracle's action (`EpisodeBatch.oracle_match`):
   # the metrics then report where episodes first leave the oracle's path (`first_error/...`).
   record_oracle: bool = option(False)
+  # Prefill each task's prompt once for its group_size rollouts (rollout.RolloutConfig.share_prompts)
+  share_prompts: bool = option(False)
 
   def check(self):
     if self.group_size % (1 + self.branch_k):
@@ -198,7 +200,7 @@ class RolloutOptions(Options):
                          top_k=self.top_k, top_p=self.top_p,
                          branch_k=self.branch_k if branch else 0, branch_at=self.branch_at,
                          record_oracle=record_oracle, label_parts=label_parts,
-                         step_budget=step_budget or 0)
+                         step_budget=step_budget or 0, share_prompts=self.share_prompts)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,7 +63,7 @@ ADDED_FIELDS: dict[str, Any] = {
     "algorithm.time_source": "latency", "algorithm.step_verifier": "",
     "algorithm.verifier_weight": 0.5, "rollout.record_oracle": False,
     "algorithm.part_weights": [1.0, 1.0, 1.0, 1.0], "curriculum.step_budgets": [],
-    "curriculum.grow_at": 0.5,
+    "curriculum.grow_at": 0.5, "rollout.share_prompts": False,
 }
 
 
