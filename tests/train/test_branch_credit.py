@@ -97,3 +97,49 @@ def test_learner_collects_branched_batches_and_updates(tmp_path, smoke_learner,
   assert_no_retrace(update, *calls)
   state, metrics = s.step(state, 2, 2, Timer())
   assert np.isfinite(float(metrics["loss"]))
+
+
+def test_tree_critic_learns_tree_values_and_credits_value_changes(batch):
+  """`tree_critic`: value targets are the tree's Monte-Carlo state values on each turn's tokens;
+  a step's advantage (before whitening) is the learned value of the next state minus this one's,
+  the score after the last step."""
+  from longhorizon.core import advantages as adv  # pylint: disable=g-import-not-at-top
+  values = np.random.default_rng(2).normal(size=np.shape(batch.tokens)).astype(np.float32)
+  out = algorithms.compute_advantages(batch, values, algorithms.AlgorithmOptions(name="tree_critic"))
+  weight = np.asarray(out.row_weight)
+  mask = np.asarray(batch.loss_mask, bool) & (weight[:, None] > 0)
+  turn, score = np.asarray(batch.turn), np.asarray(batch.score)
+  raw = np.zeros(np.shape(batch.tokens))
+  for r in np.flatnonzero(weight > 0):
+    steps = int(batch.num_steps[r])
+    own = range(max(int(batch.branch_step[r]), 0), steps)
+    first = {t: int(np.flatnonzero(mask[r] & (turn[r] == t))[0]) for t in own}
+    for t in own:
+      nxt = values[r, first[t + 1]] if t + 1 < steps else score[r]
+      raw[r][mask[r] & (turn[r] == t)] = nxt - values[r, first[t]]
+  want = np.asarray(adv.masked_whiten(raw, mask)) * mask
+  np.testing.assert_allclose(out.advantages, want, atol=1e-5)
+  v, _, _, _ = tree.tree_values(batch.score, batch.group, batch.parent, batch.branch_step,
+                                batch.step_mask, valid=weight > 0)
+  np.testing.assert_allclose(out.returns, np.asarray(adv.broadcast_steps(v, batch.turn)) * mask,
+                             atol=1e-6)
+
+
+def test_learner_trains_the_tree_critic(tmp_path, smoke_learner):
+  """The learner builds a critic for `tree_critic` and moves it towards the tree's values (the
+  untrained policy's scores are replaced by random ones, so the targets are not all 0)."""
+  from longhorizon.train.metrics import Timer  # pylint: disable=g-import-not-at-top
+  s = smoke_learner(tmp_path, {"algorithm.name": "tree_critic", "rollout.branch_k": 1})
+  state = s.initial_state()
+  assert state.critic_params is not None
+  batch, _ = s.collect_batch(state.params, 0, 0, Timer())
+  score = np.random.default_rng(0).normal(size=batch.batch_size).astype(np.float32)
+  db = to_device(s.trimmed(batch.replace(score=score)))
+  inputs = s.learn_inputs(state, db)
+  assert np.abs(np.asarray(inputs.returns)).sum() > 0
+  before = jax.tree.map(np.asarray, state.critic_params)
+  state, metrics = s.update(state, db, inputs)
+  assert np.isfinite(float(metrics["loss"])) and float(metrics["value_loss"]) > 0
+  changed = jax.tree.map(lambda a, b: not np.allclose(a, np.asarray(b)), before,
+                         state.critic_params)
+  assert any(jax.tree.leaves(changed))

@@ -71,6 +71,7 @@ ALGORITHMS = {
     "tree_grpo": {"algorithm.name": "tree_grpo", "rollout.branch_k": 3},
     "tree_grpo_divergence": {"algorithm.name": "tree_grpo", "rollout.branch_k": 3,
                              "rollout.branch_at": "first_divergence"},
+    "tree_critic": {"algorithm.name": "tree_critic", "rollout.branch_k": 3},
     # Rule-based step verifiers (issue 19): GRPO plus the verifier's group-relative step advantage
     # (weight 0.5), never folded into the outcome reward.
     "grpo_milestone_verifier": {"algorithm.name": "grpo", "algorithm.step_verifier": "milestone"},

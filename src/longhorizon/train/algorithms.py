@@ -21,6 +21,7 @@ choose by name (`ALGORITHMS[name]`), add one by registering a function. All of t
 | `vine` | branch trees: `Q(s_t, a_t) - V(s_t)` from Monte-Carlo means over the rows through each state / action (VinePPO) | no |
 | `branch` | branch trees: the row's return minus the mean return from the same state | no |
 | `tree_grpo` | branch trees: GRPO over the task group plus exact step groups of sibling actions (Tree-GRPO) | no |
+| `tree_critic` | branch trees: a critic trained on the tree's Monte-Carlo state values; `A_t = V(s_{t+1}) - V(s_t)` | yes |
 
 The three tree estimators (`core/tree_advantages.py`) read `parent` / `branch_step`
 (`rollout.branch_k > 0`); a branch's copied prefix never trains (its loss mask is 0 there).
@@ -302,6 +303,27 @@ def _tree(estimator):
   return fn
 
 
+def _tree_critic(batch, values, options, weight):
+  """A learned step value trained from branch outcomes: the critic's target at every turn is the
+  tree's Monte-Carlo value of the turn's state, and each step's advantage is the change of the
+  learned value it caused, `A_t = V(s_{t+1}) - V(s_t)` (the episode's score after its last step),
+  whitened; a branch's copied steps get none."""
+  if values is None:
+    raise ValueError("tree_critic needs critic values (its learned step values).")
+  mask = jnp.asarray(batch.loss_mask, bool) & (weight[:, None] > 0)
+  steps = _steps_in_loss(batch, weight)
+  step_values = turn_adv.turn_start_values(values, batch.turn, mask, steps)
+  last = jnp.arange(steps.shape[1])[None, :] == (jnp.sum(steps, -1, keepdims=True) - 1)
+  outcome = jnp.where(last & steps, jnp.asarray(batch.score, jnp.float32)[:, None], 0.0)
+  a, _ = turn_adv.turn_gae(outcome, step_values, steps, gamma=1.0, lam=0.0)
+  targets, _, _, _ = tree_adv.tree_values(batch.score, batch.group, batch.parent,
+                                          batch.branch_step, batch.step_mask, valid=weight > 0)
+  own = tree_adv.own_steps(batch.parent, batch.branch_step, batch.step_mask)
+  a = adv.broadcast_steps(jnp.where(own, a, 0.0), batch.turn)
+  a = adv.masked_whiten(a, mask)
+  return Advantages(a * mask, adv.broadcast_steps(targets, batch.turn) * mask, weight)
+
+
 register(Algorithm("grpo", _grpo, min_group_size=2))
 register(Algorithm("drgrpo", _drgrpo, default_agg="seq-mean-token-sum-norm", min_group_size=2))
 register(Algorithm("rloo", _rloo, min_group_size=2))
@@ -312,6 +334,7 @@ register(Algorithm("vine", _tree(tree_adv.vine_advantages), min_group_size=2, ne
 register(Algorithm("branch", _tree(tree_adv.branch_advantages), min_group_size=2,
                    needs_branches=True))
 register(Algorithm("tree_grpo", _tree(tree_adv.tree_grpo_advantages), min_group_size=2))
+register(Algorithm("tree_critic", _tree_critic, needs_critic=True, needs_branches=True))
 
 
 def _milestone_scores(batch):
