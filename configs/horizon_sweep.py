@@ -30,6 +30,12 @@ Variants (`--config=configs/horizon_sweep.py:VARIANT`):
   verifier_credit the cpu budget on pointer_chain N = 8, 3 seeds: GRPO (outcome only) against
                  GRPO plus a rule-based step verifier's step advantages (milestones; oracle
                  agreement).
+  credit_study   issue 19's study of the hard cells: pointer_chain N = 8 and 16 and gridworld
+                 N = 8 at 3x the cpu budget per run (36 updates, 2,304 episodes), 5 seeds, the
+                 issue's methods (GRPO, GiGPO, PPO with turn-level GAE and VAPO lambda, EMPG, the
+                 three tree estimators, the milestone verifier, and Tree-GRPO plus the milestone
+                 verifier), with first-error positions recorded. Sweeps over disjoint seeds may
+                 run side by side into one folder (`--config.sweep.seeds=(0,2,4)` and `(1,3)`).
 Every run of a cell (env, N, seed) starts from the same SFT warm start (noisy demonstrator,
 epsilon 0.1), so the algorithms differ only in credit assignment; all share every other
 hyperparameter (none is tuned per algorithm).
@@ -45,11 +51,13 @@ _DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py"
 
 ALGORITHMS = ("grpo", "drgrpo", "rloo", "ppo_gae", "ppo_lagae", "gigpo")
 VARIANTS = ("cpu", "accelerator", "textworld", "smoke", "turn_credit", "branch_credit",
-            "verifier_credit")
+            "verifier_credit", "credit_study")
 TURN_CREDIT = ("grpo", "grpo_empg", "ppo_gae", "ppo_lagae", "ppo_turn_gae", "ppo_turn_lagae",
                "ppo_bilevel")
 BRANCH_CREDIT = ("grpo", "grpo_branched", "vine", "branch", "tree_grpo", "tree_grpo_divergence")
 VERIFIER_CREDIT = ("grpo", "grpo_milestone_verifier", "grpo_oracle_verifier")
+CREDIT_STUDY = ("grpo", "gigpo", "ppo_turn_gae", "ppo_turn_lagae", "grpo_empg", "vine", "branch",
+                "tree_grpo", "grpo_milestone_verifier", "tree_grpo_milestone_verifier")
 
 
 def get_config(arg=None):
@@ -133,6 +141,13 @@ def get_config(arg=None):
     config.sweep.pointer_chain = (8,)
     config.sweep.gridworld = ()
     config.sweep.algorithms = VERIFIER_CREDIT
+  elif variant == "credit_study":
+    config.num_updates = 36  # 3x the cpu budget
+    config.rollout.record_oracle = True  # first-error positions for every method
+    config.sweep.pointer_chain = (8, 16)
+    config.sweep.gridworld = (8,)
+    config.sweep.algorithms = CREDIT_STUDY
+    config.sweep.seeds = (0, 1, 2, 3, 4)
   elif variant == "smoke":
     config.num_updates = 2
     config.rollout.num_tasks = 4

@@ -48,6 +48,19 @@ def cells_of(config, only_env=()):
           for seed in sweep.seeds for env in envs for n in sweep[env]]
 
 
+def _record_session(out: str, config, session: dict) -> None:
+  """Adds (or updates, by start time and pid) `session` in `out/sweep.json`."""
+  os.makedirs(out, exist_ok=True)
+  meta_path = os.path.join(out, "sweep.json")
+  meta = json.load(open(meta_path)) if os.path.exists(meta_path) else {}
+  meta["config"] = json.loads(config.to_json_best_effort())
+  sessions = [s for s in meta.get("sessions", [])
+              if (s.get("started"), s.get("pid")) != (session["started"], session["pid"])]
+  meta["sessions"] = sessions + [session]
+  with open(meta_path, "w") as f:
+    json.dump(meta, f, indent=1)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -58,19 +71,16 @@ def main(argv):
     print(f"{len(cells)} cells x {len(config.sweep.algorithms)} algorithms; devices "
           f"{jax.devices()}", flush=True)
     started = time.perf_counter()
-    source = provenance.provenance()  # the code as the session starts (the tree may change later)
+    # The session is recorded as it starts (the code as it is now; the tree may change later)
+    # and its wall time when it ends, so a killed session still says what it ran on.
+    session = {"command": " ".join(["python"] + sys.argv), "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+               "pid": os.getpid(), "wall_s": None, "devices": [str(d) for d in jax.devices()],
+               "jax": jax.__version__, "cpus": os.cpu_count(), "provenance": provenance.provenance()}
+    _record_session(out, config, session)
     horizon.run_sweep(config, cells, list(config.sweep.algorithms), out,
                       log=lambda line: print(line, flush=True))
-    os.makedirs(out, exist_ok=True)
-    meta_path = os.path.join(out, "sweep.json")
-    meta = json.load(open(meta_path)) if os.path.exists(meta_path) else {}
-    meta["config"] = json.loads(config.to_json_best_effort())
-    meta.setdefault("sessions", []).append({
-        "command": " ".join(["python"] + sys.argv), "wall_s": round(time.perf_counter() - started, 1),
-        "devices": [str(d) for d in jax.devices()], "jax": jax.__version__, "cpus": os.cpu_count(),
-        "provenance": source})
-    with open(meta_path, "w") as f:
-      json.dump(meta, f, indent=1)
+    session["wall_s"] = round(time.perf_counter() - started, 1)
+    _record_session(out, config, session)
   paths = horizon.plot_all(out)
   print(open(os.path.join(out, "summary.md")).read())
   print("plots:", ", ".join(paths.values()))

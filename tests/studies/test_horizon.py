@@ -115,6 +115,19 @@ def test_smoke_sweep_writes_results_and_resumes(tmp_path):
   horizon.run_sweep(config, cells, ["grpo", "gigpo"], str(tmp_path), log=lines.append)
   assert any("already in results.csv" in line for line in lines)
   assert len(horizon.read_results(str(tmp_path))[0]) == 2
+  # A sweep killed after grpo's run resumes with gigpo alone, from the same warm start, and gives
+  # the row the uninterrupted sweep gave.
+  results = tmp_path / "results.csv"
+  full = results.read_text().splitlines()
+  results.write_text("\n".join(full[:2]) + "\n")
+  lines.clear()
+  resumed = horizon.run_sweep(config, cells, ["grpo", "gigpo"], str(tmp_path), log=lines.append)
+  assert any("(resumed: gigpo)" in line for line in lines)
+  assert [r["algorithm"] for r in resumed] == ["grpo", "gigpo"]
+  for key in ("warm_success", "warm_step_accuracy", "final_success", "final_step_accuracy",
+              "tokens"):
+    assert resumed[1][key] == rows[1][key], key
+  assert len(horizon.read_results(str(tmp_path))[1]) == 2 * config.num_updates
   paths = horizon.plot_all(str(tmp_path))
   for path in paths.values():
     assert os.path.getsize(path) > 5000
@@ -142,6 +155,14 @@ def test_every_algorithm_label_gives_a_valid_config_with_its_settings():
   vine = horizon.cell_config(branched, "pointer_chain", 8, "vine", seed=0)
   # 8 episodes per task either way: 2 roots, each forked into 3 continuations.
   assert (vine.rollout.group_size, vine.rollout.branch_k) == (8, 3)
+  # Issue 19's study: the hard cells at 3x the cpu budget, 5 seeds, first errors recorded.
+  study, cpu = _config("credit_study"), _config("cpu")
+  assert set(study.sweep.algorithms) <= set(horizon.ALGORITHMS)
+  assert study.num_updates == 3 * cpu.num_updates and len(study.sweep.seeds) == 5
+  assert (tuple(study.sweep.pointer_chain), tuple(study.sweep.gridworld)) == ((8, 16), (8,))
+  combo = horizon.cell_config(study, "pointer_chain", 16, "tree_grpo_milestone_verifier", seed=4)
+  assert (combo.algorithm.name, combo.algorithm.step_verifier, combo.rollout.branch_k,
+          combo.rollout.record_oracle) == ("tree_grpo", "milestone", 3, True)
 
 
 REFERENCE = ROOT / "experiments" / "results" / "horizon_sweep_smoke_reference"

@@ -9,8 +9,8 @@ episodes, teacher-forced), its independent-steps prediction p^H for an episode o
 episodes and tokens consumed, and the training-success learning curve.
 
 `run_sweep` runs cells one after another in this process (compiled functions are shared by every
-run of one shape), appends finished cells to `results.csv` / `curves.csv` and skips cells already
-there, so a killed sweep resumes. `summarize` and the `plot_*` functions read those files back;
+run of one shape), appends each finished run to `results.csv` / `curves.csv` and skips runs already
+there, so a killed sweep resumes (sweeps over disjoint seeds may share one folder). `summarize` and the `plot_*` functions read those files back;
 `experiments/horizon_sweep.py` is the entry point and `notebooks/credit_assignment_ablation.ipynb`
 reuses the plots.
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import csv
 import dataclasses
+import io
 import json
 import math
 import os
@@ -76,6 +77,10 @@ ALGORITHMS = {
     # (weight 0.5), never folded into the outcome reward.
     "grpo_milestone_verifier": {"algorithm.name": "grpo", "algorithm.step_verifier": "milestone"},
     "grpo_oracle_verifier": {"algorithm.name": "grpo", "algorithm.step_verifier": "oracle"},
+    # The combination: Tree-GRPO's sibling step groups plus the milestone verifier's step
+    # advantages (neither needs privileged information).
+    "tree_grpo_milestone_verifier": {"algorithm.name": "tree_grpo", "rollout.branch_k": 3,
+                                     "algorithm.step_verifier": "milestone"},
 }
 
 RESULT_FIELDS = ("env", "horizon", "actions", "algorithm", "seed", "updates", "episodes", "tokens",
@@ -236,13 +241,18 @@ def _first_errors(metrics: dict) -> dict | None:
 
 
 def run_cell(base, cell: Cell, algorithms: Sequence[str], *, log: Callable[[str], None] = print,
-             setups: dict | None = None) -> tuple[list[dict], list[dict]]:
+             setups: dict | None = None, warm_algorithm: str | None = None,
+             on_run: Callable[[dict, list[dict]], None] | None = None
+             ) -> tuple[list[dict], list[dict]]:
   """Warm start once, then every algorithm from that warm start: `(result rows, curve rows)`.
 
   `setups` (a dict kept across calls) reuses the environment, task suites and codec of an
-  `(env, horizon)` for every seed, so their jitted functions compile once."""
+  `(env, horizon)` for every seed, so their jitted functions compile once. The warm start is
+  built with `warm_algorithm`'s config (default: the first of `algorithms`), so a resumed cell
+  that runs only some algorithms starts them from the same warm start. `on_run(row, curves)` is
+  called as each algorithm's run finishes."""
   started = time.perf_counter()
-  warm_learner, warm_params = _warm_start(base, cell, algorithms[0],
+  warm_learner, warm_params = _warm_start(base, cell, warm_algorithm or algorithms[0],
                                           {} if setups is None else setups)
   c = warm_learner.config
   actions = actions_needed(cell.env, cell.horizon)
@@ -275,19 +285,24 @@ def run_cell(base, cell: Cell, algorithms: Sequence[str], *, log: Callable[[str]
     log(f"  {label:10s} success {warm['success']:.3f} -> {final['success']:.3f} (greedy "
         f"{final['greedy_success']:.3f}), step accuracy {final_p:.3f} -> p^{actions} = "
         f"{final_p ** actions:.3f}  [{time.perf_counter() - run_started:.0f}s]")
+    if on_run is not None:
+      on_run(rows[-1], run_curves)
   return rows, curves
 
 
 # ----------------------------------------------------------------------------------- files
 
 def _append(path: str, fields: Sequence[str], rows: Iterable[dict]):
-  new = not os.path.exists(path)
+  """Appends `rows` in one `write` to a file opened for appending, so sweeps of other seeds
+  running in other processes into the same folder never interleave their lines."""
+  text = io.StringIO()
+  writer = csv.DictWriter(text, fieldnames=list(fields))
+  if not os.path.exists(path):
+    writer.writeheader()
+  for row in rows:
+    writer.writerow({k: row[k] for k in fields})
   with open(path, "a", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=list(fields))
-    if new:
-      writer.writeheader()
-    for row in rows:
-      writer.writerow({k: row[k] for k in fields})
+    f.write(text.getvalue())
 
 
 def _read_csv(path: str) -> list[dict]:
@@ -305,29 +320,42 @@ def _read_csv(path: str) -> list[dict]:
 
 
 def read_results(out_dir: str) -> tuple[list[dict], list[dict]]:
-  """`(result rows, curve rows)` from `results.csv` and `curves.csv` in `out_dir`."""
-  return (_read_csv(os.path.join(out_dir, "results.csv")),
-          _read_csv(os.path.join(out_dir, "curves.csv")))
+  """`(result rows, curve rows)` from `results.csv` and `curves.csv` in `out_dir`. A run whose
+  curve was written before the sweep was killed (and its result row never was) is rerun on
+  resume; of its curve rows only the last written are kept."""
+  curves = {}
+  for row in _read_csv(os.path.join(out_dir, "curves.csv")):
+    curves[(row["env"], row["horizon"], row["algorithm"], row["seed"], row["update"])] = row
+  return _read_csv(os.path.join(out_dir, "results.csv")), list(curves.values())
 
 
 def run_sweep(base, cells: Sequence[Cell], algorithms: Sequence[str], out_dir: str, *,
               log: Callable[[str], None] = print) -> list[dict]:
-  """Runs every cell not yet in `out_dir/results.csv`; returns all result rows."""
+  """Runs every (cell, algorithm) not yet in `out_dir/results.csv`; returns all result rows.
+
+  Each run's rows are appended as it finishes, so a killed sweep loses at most the run under way
+  (and redoes its cell's deterministic warm start)."""
   os.makedirs(out_dir, exist_ok=True)
-  done = {(r["env"], r["horizon"], r["seed"]) for r in read_results(out_dir)[0]}
-  setups: dict = {}
-  for i, cell in enumerate(cells):
-    if (cell.env, cell.horizon, cell.seed) in done:
-      log(f"[{i + 1}/{len(cells)}] {cell} already in results.csv: skipped")
-      continue
-    log(f"[{i + 1}/{len(cells)}] {cell}")
-    rows, curves = run_cell(base, cell, algorithms, log=log, setups=setups)
+  done = {(r["env"], r["horizon"], r["seed"], r["algorithm"]) for r in read_results(out_dir)[0]}
+
+  def record(row: dict, curves: list[dict]) -> None:
     _append(os.path.join(out_dir, "curves.csv"), CURVE_FIELDS, curves)
     errors = [{**{k: c[k] for k in FIRST_ERROR_FIELDS[:5]}, **c["first_error"]}
               for c in curves if c.get("first_error")]
     if errors:
       _append(os.path.join(out_dir, "first_errors.csv"), FIRST_ERROR_FIELDS, errors)
-    _append(os.path.join(out_dir, "results.csv"), RESULT_FIELDS, rows)
+    _append(os.path.join(out_dir, "results.csv"), RESULT_FIELDS, [row])
+
+  setups: dict = {}
+  for i, cell in enumerate(cells):
+    todo = [a for a in algorithms if (cell.env, cell.horizon, cell.seed, a) not in done]
+    if not todo:
+      log(f"[{i + 1}/{len(cells)}] {cell} already in results.csv: skipped")
+      continue
+    log(f"[{i + 1}/{len(cells)}] {cell}" + (f" (resumed: {', '.join(todo)})"
+                                            if len(todo) < len(algorithms) else ""))
+    run_cell(base, cell, todo, log=log, setups=setups, warm_algorithm=algorithms[0],
+             on_run=record)
   return read_results(out_dir)[0]
 
 
