@@ -151,6 +151,13 @@ def get_config(arg=None):
   config.tensorboard = True
   config.progress = True
 
+  # Trajectory store (longhorizon/rollout/store.py): each update's training batch appended to
+  # <workdir>/trajectories/ as Parquet (read with TrajectoryStore or pyarrow; print the newest
+  # episodes with `python -m longhorizon.cli.store WORKDIR`).
+  config.store = ml_collections.ConfigDict()
+  config.store.enabled = False
+  config.store.keep = "all"  # all | valid (drops env-error, truncated and parse-failure episodes)
+
   # Device mesh (issue 7): data x fsdp x tensor.
   config.mesh = ml_collections.ConfigDict()
   config.mesh.data = 1

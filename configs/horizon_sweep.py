@@ -30,6 +30,9 @@ Variants (`--config=configs/horizon_sweep.py:VARIANT`):
   verifier_credit the cpu budget on pointer_chain N = 8, 3 seeds: GRPO (outcome only) against
                  GRPO plus a rule-based step verifier's step advantages (milestones; oracle
                  agreement).
+  recovery_credit the cpu budget on pointer_chain N = 8, 3 seeds: GRPO against GRPO with recovery
+                 tasks (2 of the 8 groups per update restart after an earlier failure's first
+                 error).
   credit_study   issue 19's study of the hard cells: pointer_chain N = 8 and 16 and gridworld
                  N = 8 at 3x the cpu budget per run (36 updates, 2,304 episodes), 5 seeds, the
                  issue's methods (GRPO, GiGPO, PPO with turn-level GAE and VAPO lambda, EMPG, the
@@ -51,7 +54,7 @@ _DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py"
 
 ALGORITHMS = ("grpo", "drgrpo", "rloo", "ppo_gae", "ppo_lagae", "gigpo")
 VARIANTS = ("cpu", "accelerator", "textworld", "smoke", "turn_credit", "branch_credit",
-            "verifier_credit", "credit_study")
+            "verifier_credit", "recovery_credit", "credit_study")
 TURN_CREDIT = ("grpo", "grpo_empg", "ppo_gae", "ppo_lagae", "ppo_turn_gae", "ppo_turn_lagae",
                "ppo_bilevel")
 BRANCH_CREDIT = ("grpo", "grpo_branched", "vine", "branch", "tree_grpo", "tree_grpo_divergence")
@@ -141,6 +144,11 @@ def get_config(arg=None):
     config.sweep.pointer_chain = (8,)
     config.sweep.gridworld = ()
     config.sweep.algorithms = VERIFIER_CREDIT
+  elif variant == "recovery_credit":
+    config.rollout.record_oracle = True  # first-error positions for both
+    config.sweep.pointer_chain = (8,)
+    config.sweep.gridworld = ()
+    config.sweep.algorithms = ("grpo", "grpo_recovery")
   elif variant == "credit_study":
     config.num_updates = 36  # 3x the cpu budget
     config.rollout.record_oracle = True  # first-error positions for every method

@@ -11,7 +11,8 @@ r"""The horizon cliff: success versus horizon per credit-assignment algorithm
 Writes to --out: results.csv (one row per env, horizon, algorithm, seed), curves.csv (training
 success per update), summary.json / summary.md (mean +- std over seeds), success_vs_horizon.png,
 learning_curves.png, sample_efficiency.png, and sweep.json (the config, the command, the wall time).
-Rerunning with the same --out skips finished cells (a killed sweep resumes cell by cell).
+Rerunning with the same --out skips finished runs (a killed sweep resumes run by run); sweeps
+over disjoint seeds may write into one --out side by side.
 """
 
 import json

@@ -88,16 +88,27 @@ def smoke_learner():
   return _smoke_learner
 
 
-def _smoke_learner(tmp_path, changes):
-  """A `Learner` of configs/default.py:smoke with `changes` (dotted paths) applied and its task
-  data under `tmp_path`."""
+@pytest.fixture(scope="session")
+def smoke_config():
+  """`smoke_config(tmp_path, **changes)`: configs/default.py:smoke with `changes` (dotted paths)
+  applied and its task data under `tmp_path`, locked."""
+  return _smoke_config
+
+
+def _smoke_config(tmp_path, **changes):
   from configs import default as default_config  # pylint: disable=g-import-not-at-top
   from longhorizon.train import config as config_lib  # pylint: disable=g-import-not-at-top
-  from longhorizon.train.learner import Learner  # pylint: disable=g-import-not-at-top
   config = default_config.get_config("smoke")
   config.unlock()
   config.tasks.data_dir = str(tmp_path / "tasks")
   for path, value in changes.items():
     config_lib.set_path(config, path, value)
   config.lock()
-  return Learner.build(config)
+  return config
+
+
+def _smoke_learner(tmp_path, changes):
+  """A `Learner` of configs/default.py:smoke with `changes` (dotted paths) applied and its task
+  data under `tmp_path`."""
+  from longhorizon.train.learner import Learner  # pylint: disable=g-import-not-at-top
+  return Learner.build(_smoke_config(tmp_path, **changes))

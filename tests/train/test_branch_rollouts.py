@@ -4,37 +4,17 @@ behaviour log-probs equal a full forward pass, the tree is recorded, the budget 
 points are the ones each rule names, and Monte-Carlo values from branches converge to the true
 values of a toy MDP."""
 
-import dataclasses
-
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from longhorizon import envs, rollout
+from longhorizon import rollout
 from longhorizon.core.episode import to_device
 from longhorizon.envs import testing
-from longhorizon.models import init_params, tiny_config
 from longhorizon.sampling import sampler as smp
 from longhorizon.train.update import episode_logprobs
 
 N_TASKS, MAX_STEPS = 3, 5
-
-
-@pytest.fixture(scope="module")
-def env():
-  return envs.TimeLimit(envs.make("pointer_chain", horizon=2), MAX_STEPS)
-
-
-@pytest.fixture(scope="module")
-def codec(env):
-  return env.codec(style="compact")
-
-
-@pytest.fixture(scope="module")
-def model(codec):
-  config = dataclasses.replace(tiny_config(), vocab_size=len(codec.tokenizer))
-  return config, init_params(config, jax.random.key(0))
 
 
 def _collect(env, codec, model, *, seed=0, scripted=None, n=N_TASKS, **overrides):
@@ -269,19 +249,9 @@ def _stay_then_up(codec):
   return turns
 
 
-def _host_fixtures():
-  """tests/envs/host_fixtures.py (the pool tests' host environments), imported by its name."""
-  import importlib  # pylint: disable=g-import-not-at-top
-  import os  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
-  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                  "envs"))
-  return importlib.import_module("host_fixtures")
-
-
 @pytest.mark.parametrize("snapshots", [True, False])
-def test_host_branches_continue_from_the_parent_state(snapshots):
-  hf = _host_fixtures()
+def test_host_branches_continue_from_the_parent_state(snapshots, host_fixtures):
+  hf = host_fixtures
   from longhorizon.envs.pool import close_pools  # pylint: disable=g-import-not-at-top
   env = (hf.FaultyCounter if snapshots else hf.Counter)(success=1.0, milestone=0.5)
   codec = env.codec()
@@ -312,8 +282,8 @@ def test_host_branches_continue_from_the_parent_state(snapshots):
   assert len(set(batch.branch_step[branches].tolist())) >= 2
 
 
-def test_host_steps_record_their_measured_latency():
-  hf = _host_fixtures()
+def test_host_steps_record_their_measured_latency(host_fixtures):
+  hf = host_fixtures
   from longhorizon.envs.pool import close_pools  # pylint: disable=g-import-not-at-top
   env = hf.Counter(latency_s=0.05, success=1.0)
   codec = env.codec()

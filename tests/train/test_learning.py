@@ -177,15 +177,25 @@ _NOT_AT_THIS_BUDGET = {
                    "at N = 8 (experiments/results/horizon_sweep_tree_critic/README.md)"}
 
 
+# Variants of a registered estimator that also must learn: name -> (algorithm, config changes,
+# the least gain). The shared-trunk critic learns less at this budget (measured 0.578 -> 0.734,
+# against 0.578 -> 0.875 with the separate critic: its value loss trains the policy's trunk too):
+# it must gain half the bar, which a broken critic (no learning) still fails.
+_VARIANTS = {"ppo+shared_critic": ("ppo", {"algorithm.critic": "shared"}, 0.075)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [
     pytest.param(n, marks=pytest.mark.xfail(reason=_NOT_AT_THIS_BUDGET[n], strict=False))
-    if n in _NOT_AT_THIS_BUDGET else n for n in sorted(algorithms.ALGORITHMS)])
+    if n in _NOT_AT_THIS_BUDGET else n for n in sorted(algorithms.ALGORITHMS) + sorted(_VARIANTS)])
 def test_every_algorithm_improves_success(warm, name):
   s, state = warm
+  label, (name, changes, least) = name, _VARIANTS.get(name, (name, {}, 0.15))
   config = s.config.copy_and_resolve_references()
   config.unlock()
   config.algorithm.name = name
+  for path, value in changes.items():
+    config_lib.set_path(config, path, value)
   config.optim.critic_learning_rate = 3e-3
   if algorithms.ALGORITHMS[name].needs_branches or name.startswith("tree_"):
     config.rollout.branch_k = 3  # 2 roots per task of 8, each forked into 3
@@ -200,7 +210,7 @@ def test_every_algorithm_improves_success(warm, name):
     state, metrics = s.step(state, update, update * config.rollout.num_tasks, Timer())
     assert np.isfinite(metrics["loss"])
   after = _sampled_success(s, state.params)
-  assert after >= before + 0.15, (name, before, after)
+  assert after >= before + least, (label, before, after)
 
 
 # ------------------------------------------------------------------------------------- resume

@@ -66,7 +66,8 @@ def _flag_text(value) -> str:
 SPECS = config_lib.SPECS
 # Options that apply only together with others: the flags that make them valid.
 _COMPANIONS = {"algorithm.time_discount": ("--config.algorithm.name=gigpo",
-                                           "--config.algorithm.time_source=cost")}
+                                           "--config.algorithm.time_source=cost"),
+               "algorithm.critic": ("--config.algorithm.name=ppo",)}
 
 
 def _fields():
@@ -105,7 +106,8 @@ def test_rollout_config_fields_come_from_the_config():
                                     "turn_tokens": 9, "temperature": 0.7, "top_k": 5,
                                     "top_p": 0.9, "branch_k": 0, "branch_at": "uniform",
                                     "record_oracle": False, "label_parts": False,
-                                    "step_budget": 0, "share_prompts": False}
+                                    "step_budget": 0, "share_prompts": False,
+                                    "recovery_from": ""}
   branched = _parse("--config.rollout.group_size=4", "--config.rollout.branch_k=1",
                     "--config.rollout.branch_at=max_entropy")
   options = RolloutOptions.from_config(branched)
@@ -113,6 +115,10 @@ def test_rollout_config_fields_come_from_the_config():
   rc = options.collect_config(5, branch=True)
   assert (rc.branch_k, rc.branch_at, rc.branch_roots) == (1, "max_entropy", 2)
   assert {f.name for f in dataclasses.fields(RolloutConfig)} == set(dataclasses.asdict(rc))
+  recovering = RolloutOptions.from_config(_parse("--config.rollout.recovery_groups=2",
+                                                 "--config.rollout.recovery_from=after_error"))
+  assert recovering.collect_config(5).recovery_from == ""  # evaluation keeps no starts
+  assert recovering.collect_config(5, branch=True).recovery_from == "after_error"
 
 
 def test_reward_fields_come_from_the_config():

@@ -1,9 +1,6 @@
 """The rollout loop: token-exact episodes, masks, determinism, context budget, env errors."""
 
-import dataclasses
-
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -11,25 +8,8 @@ from longhorizon import envs, rollout
 from longhorizon.core.episode import Termination, to_device
 from longhorizon.envs import testing
 from longhorizon.envs.pointer_chain import PointerChain
-from longhorizon.models import init_params, tiny_config
 from longhorizon.train import algorithms
 from longhorizon.train.update import episode_logprobs
-
-
-@pytest.fixture(scope="module")
-def env():
-  return envs.TimeLimit(envs.make("pointer_chain", horizon=2), 5)
-
-
-@pytest.fixture(scope="module")
-def codec(env):
-  return env.codec(style="compact")
-
-
-@pytest.fixture(scope="module")
-def model(codec):
-  config = dataclasses.replace(tiny_config(), vocab_size=len(codec.tokenizer))
-  return config, init_params(config, jax.random.key(0))
 
 
 def _collect(env, codec, model, n=3, seed=0, **overrides):

@@ -100,7 +100,8 @@ def test_fields_added_since_a_run_started_resume_at_their_old_behaviour(tmp_path
   """A workdir saved before `model.moe`, `model.lora`, `model.decode_quant`, `model.remat`,
   `eval.greedy`, the turn-level / EMPG algorithm fields and branch rollouts existed resumes with their defaults (a
   dense, fully fine-tuned, float32-sampled model, evaluated greedy too, token-level advantages
-  without EMPG), and is refused when a new field asks for something the old run did not do."""
+  without EMPG, a separate critic), and is refused when a new field asks for something the old run
+  did not do."""
   work = str(tmp_path)
   workdir_lib.save_config(work, _config(), 0)
   saved = json.loads((tmp_path / "config.json").read_text())
@@ -108,12 +109,15 @@ def test_fields_added_since_a_run_started_resume_at_their_old_behaviour(tmp_path
   del saved["model"]["remat"], saved["eval"]["greedy"]
   for name in ("unit", "vapo_length", "step_lam", "empg", "empg_k", "empg_k_future", "empg_zeta",
                "time_discount", "time_source", "step_verifier", "verifier_weight",
-               "part_weights"):
+               "part_weights", "critic"):
     del saved["algorithm"][name]
   del saved["loss"]["reuse_behaviour_logprobs"]
   del saved["rollout"]["branch_k"], saved["rollout"]["branch_at"], saved["rollout"]["record_oracle"]
   del saved["curriculum"]["step_budgets"], saved["curriculum"]["grow_at"]
   del saved["rollout"]["share_prompts"]
+  for name in ("recovery_groups", "recovery_from", "recovery_capacity"):
+    del saved["rollout"][name]
+  del saved["store"]
   (tmp_path / "config.json").write_text(json.dumps(saved))
   changes = workdir_lib.check_config(work, _config(), resuming=True)
   assert changes["model.moe.num_experts"] == ("<missing>", 0)

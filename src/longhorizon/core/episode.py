@@ -22,7 +22,7 @@ import numpy as np
 
 from longhorizon.core import advantages as _advantages
 
-__all__ = ["EpisodeBatch", "Termination", "bucket_length", "empty", "to_device", "trim",
+__all__ = ["EpisodeBatch", "Termination", "RECOVERY", "bucket_length", "empty", "to_device", "trim",
            "used_length", "place_step_rewards", "broadcast_steps"]
 
 # Re-exported: the two step <-> token helpers belong with the data model as much as with the math.
@@ -101,6 +101,9 @@ class EpisodeBatch:
   # `parent[i]` (an index into this batch, smaller than `i`) just before that row's step
   # `branch_step[i]`: it shares the parent's states and actions of the steps before, which it holds
   # as copies with loss_mask 0 (they are the parent's to train on). -1 / -1 for a root episode.
+  # A recovery episode (`rollout.recovery_groups`) has parent RECOVERY (-2): it started before
+  # step `branch_step[i]` from the saved state of an earlier batch's failed episode, whose steps
+  # before it holds as copies with loss_mask 0 (that batch trained on them).
   parent: Any = _array("B", np.int32, fill=-1)
   branch_step: Any = _array("B", np.int32, fill=-1)
   reward_components: Mapping[str, Any] = flax.struct.field(default_factory=dict)  # name -> [B] float32
@@ -219,15 +222,22 @@ def _fmt(dims, values):
 
 def _check_tree(parent, branch_step, num_steps):
   """The branch-rollout fields: roots have parent -1 and branch step -1; a branch's parent is an
-  earlier row that took the branch step, which the branch took too."""
-  b, root = len(parent), parent < 0
-  _check(((parent >= -1) & (parent < np.arange(b))).all(), "parent",
-         "has values outside [-1, own row index)")
+  earlier row that took the branch step, which the branch took too; a recovery row (parent
+  RECOVERY) started at a step in [0, its num_steps]."""
+  b, root, recovery = len(parent), parent == -1, parent == RECOVERY
+  _check(((parent >= RECOVERY) & (parent < np.arange(b))).all(), "parent",
+         f"has values outside [{RECOVERY}, own row index)")
   _check((root == (branch_step < 0)).all() and (branch_step >= -1).all(), "branch_step",
          "is not -1 exactly on root rows (parent -1)")
-  p = np.where(root, 0, parent)
-  _check((root | ((branch_step < num_steps[p]) & (branch_step < num_steps))).all(), "branch_step",
-         "is not a step both the branch and its parent took")
+  _check(not (recovery & (branch_step > num_steps)).any(), "branch_step",
+         "is past the steps a recovery row (parent -2) holds")
+  p = np.where(parent < 0, 0, parent)
+  _check((root | recovery | ((branch_step < num_steps[p]) & (branch_step < num_steps))).all(),
+         "branch_step", "is not a step both the branch and its parent took")
+
+
+# `EpisodeBatch.parent` of a recovery episode: started from an earlier batch's saved state.
+RECOVERY = -2
 
 
 def _check(ok, field, problem):

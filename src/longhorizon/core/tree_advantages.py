@@ -132,17 +132,19 @@ def _tree_moments(scores, groups, parent, branch_step, step_mask, valid):
 @jax.jit
 def own_steps(parent: chex.Array, branch_step: chex.Array, step_mask: chex.Array) -> jax.Array:
   """`[B, S]` bool: the steps a row sampled itself, `step_mask & (t >= branch_step)` for a branch
-  and `step_mask` for a root. Only these train: a branch's copied prefix is its parent's.
+  or a recovery episode and `step_mask` for a root. Only these train: a branch's copied prefix is
+  its parent's (a recovery episode's, its source episode's).
 
   Args:
-    parent: `[B]` int parent row (-1 for a root).
-    branch_step: `[B]` int step the branch was forked before (-1 for a root).
+    parent: `[B]` int parent row (-1 for a root, -2 for a recovery episode).
+    branch_step: `[B]` int step the branch was forked (the recovery episode started) before; -1
+      for a root.
     step_mask: `[B, S]` 1 on steps that happened (a branch's copied steps included).
   """
   parent, branch_step, step_mask = map(jnp.asarray, (parent, branch_step, step_mask))
   _check_branches(parent, branch_step, step_mask)
   steps = jnp.arange(step_mask.shape[1])[None, :]
-  sampled = (parent[:, None] < 0) | (steps >= branch_step[:, None])
+  sampled = steps >= branch_step[:, None]  # every step of a root (branch step -1)
   return _as_bool(step_mask) & sampled
 
 

@@ -42,7 +42,9 @@ class ModelFamily:
   transformer(config) -> nn.Module: the whole-sequence policy; `.apply({"params": p}, tokens[B, T],
     positions=None, lengths=None, compute_logits=True) -> llama.DecoderOutput(hidden, logits, None)`.
   critic(config) -> nn.Module: `.apply({"params": p}, tokens, positions, lengths) -> values[B, T]`.
-  policy_with_value(config) -> nn.Module: one trunk, `-> (DecoderOutput, values[B, T])`.
+  policy_with_value(config) -> nn.Module: one trunk, `.apply({"params": {"trunk": p, "value_head":
+    h}}, tokens, positions, lengths, compute_logits=True, routing=None) -> (DecoderOutput,
+    values[B, T])`, `p` the transformer's parameters (the learner's shared critic relies on this).
   init_cache(config, batch_size, capacity) -> cache: an empty `DecodeCache`.
   prepare_decode_params(params, config) -> decode params (a no-op on already-prepared ones).
   cached_forward(params, config, tokens[B, T], cache, positions=None, lengths=None,

@@ -784,10 +784,16 @@ class Critic(nn.Module):
 
 
 class PolicyWithValue(nn.Module):
-  """Policy and critic sharing one trunk: returns `(DecoderOutput, values[B, T])`."""
+  """Policy and critic sharing one trunk: returns `(DecoderOutput, values[B, T])`.
+
+  Its parameters are `{"trunk": <Transformer params>, "value_head": <ValueHead params>}`, so a
+  policy's parameters serve as the trunk unchanged (the learner's shared critic,
+  `algorithm.critic='shared'`, keeps only the head in `TrainState.critic_params`). `routing`
+  replays a mixture-of-experts rollout's experts, as in `Transformer`."""
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens, positions=None, lengths=None, compute_logits=True):
-    out = Transformer(self.config, name="trunk")(tokens, positions, lengths, compute_logits)
+  def __call__(self, tokens, positions=None, lengths=None, compute_logits=True, routing=None):
+    out = Transformer(self.config, name="trunk")(tokens, positions, lengths, compute_logits,
+                                                 routing=routing)
     return out, ValueHead(name="value_head")(out.hidden)

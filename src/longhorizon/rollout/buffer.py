@@ -75,6 +75,18 @@ class EpisodeBuffer:
                          next_anchor=np.asarray(src.anchor)[parents, steps], **per_step,
                          num_milestones=self.num_milestones, env_reward=env_reward)
 
+  def take(self, rows: np.ndarray) -> "EpisodeBuffer":
+    """The buffer of rows `rows` (indices, repeats allowed), every array copied."""
+    rows = np.asarray(rows, np.int64)
+    per_row = lambda x: None if x is None else np.asarray(x)[rows].copy()
+    batch = self.batch.replace(**{name: per_row(getattr(self.batch, name)) for name in _ROW_FIELDS})
+    return dataclasses.replace(
+        self, batch=batch, end=per_row(self.end),
+        done=per_row(self.done), next_anchor=per_row(self.next_anchor),
+        invalid=per_row(self.invalid), unauthorized=per_row(self.unauthorized),
+        faulted=per_row(self.faulted), looped=per_row(self.looped),
+        env_reward=per_row(self.env_reward))
+
   def turn_start(self, r: int, t: int) -> int:
     """The position of row `r`'s first policy token of step `t` (where that turn's prefix ends)."""
     at = np.flatnonzero(self.batch.loss_mask[r] & (self.batch.turn[r] == t))

@@ -46,20 +46,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from longhorizon import sampling as sampler
-from longhorizon.core.episode import EpisodeBatch, Termination
+from longhorizon.core.episode import RECOVERY, EpisodeBatch, Termination
 from longhorizon.envs import Action, Environment, action_parts
 from longhorizon.envs.base import batch_reset, batch_step, stack_actions
 from longhorizon.envs.testing import random_action
 from longhorizon.envs.types import row, to_numpy
 from longhorizon.models import ModelConfig, prepare_decode_params
 from longhorizon.rollout.buffer import EpisodeBuffer
+from longhorizon.rollout.recovery import RECOVERY_FROM, RecoveryStarts, recovery_starts
 from longhorizon.envs import RewardSpec
 from longhorizon.envs.host import Observation, StepResult, is_host
 from longhorizon.envs.pool import pool_for
 from longhorizon.envs.types import ErrorCode
 from longhorizon.rollout.versions import env_version, reward_version
 
-__all__ = ["BRANCH_POINTS", "RolloutConfig", "RolloutStats", "collect", "oracle_turns"]
+__all__ = ["BRANCH_POINTS", "RolloutConfig", "RolloutStats", "collect", "collect_recovery",
+           "merge_stats", "oracle_turns"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +92,10 @@ class RolloutConfig:
   # rollouts): G times less prompt prefill. Float rounding may differ from prefilling every row
   # (another batch size), so it is a choice, off by default.
   share_prompts: bool = False
+  # Keep the starts of recovery tasks (`rollout/recovery.py`): each failed root episode's state
+  # and prefix just after its first error by this rule ("first_divergence" or "after_error"), in
+  # `RolloutStats.recovery`, for `collect_recovery` in a later update. "" = off.
+  recovery_from: str = ""
 
   def __post_init__(self):
     for name in ("group_size", "context_length", "max_steps", "turn_tokens"):
@@ -102,6 +108,9 @@ class RolloutConfig:
     if not 0 <= self.step_budget <= self.max_steps:
       raise ValueError(f"RolloutConfig.step_budget={self.step_budget} must be in [0, max_steps="
                        f"{self.max_steps}] (0 = max_steps).")
+    if self.recovery_from not in ("",) + RECOVERY_FROM:
+      raise ValueError(f"RolloutConfig.recovery_from must be '' (off) or one of {RECOVERY_FROM}, "
+                       f"got {self.recovery_from!r}.")
     if self.branch_at not in BRANCH_POINTS:
       raise ValueError(f"RolloutConfig.branch_at must be one of {sorted(BRANCH_POINTS)}, got "
                        f"{self.branch_at!r}.")
@@ -137,6 +146,8 @@ class RolloutStats:
   # Host environments: the pool's counters (`pool/...`: calls, retries, timeouts, crashes, rate
   # limits, circuit breaker, validity rate; envs/pool.py).
   extra: dict = dataclasses.field(default_factory=dict)
+  # `RecoveryStarts` of the failed root episodes (`RolloutConfig.recovery_from`), else None.
+  recovery: Any = None
 
   def as_dict(self) -> dict:
     total = self.generation_s + self.env_s + self.host_s
@@ -146,6 +157,19 @@ class RolloutStats:
             "rollout/tokens_per_s": self.sampled_tokens / max(total, 1e-9),
             "rollout/env_steps_per_s": self.env_steps / max(total, 1e-9),
             "rollout/generation_frac": self.generation_s / max(total, 1e-9), **self.extra}
+
+
+def merge_stats(first: RolloutStats, second: RolloutStats) -> RolloutStats:
+  """The stats of two `collect` calls run one after the other, as one: times and counts summed,
+  `episode_info` concatenated (first's rows, then second's), `first`'s `extra` and `recovery`."""
+  sums = {f.name: getattr(first, f.name) + getattr(second, f.name)
+          for f in dataclasses.fields(RolloutStats)
+          if f.name not in ("episode_info", "extra", "recovery")}
+  info = {name: np.concatenate([np.asarray(first.episode_info[name]),
+                                np.asarray(second.episode_info[name])])
+          for name in first.episode_info if name in second.episode_info}
+  return RolloutStats(**sums, episode_info=info, extra=dict(first.extra),
+                      recovery=first.recovery)
 
 
 @functools.lru_cache(maxsize=None)
@@ -209,9 +233,9 @@ def collect(params, model_config: ModelConfig, env: Environment, codec, tasks: A
   row_ids = row_offset + (task_of_row * g + np.tile(np.arange(roots), n))  # their ids in [N*G]
   rows_keys = jnp.asarray(env_keys)[task_of_row]
   rows = (_HostRows(env, codec) if is_host(env) else _JaxRows(env, codec))
-  rows.keep_history = config.branch_k > 0
-  rows.track_oracle = config.record_oracle or (config.branch_k > 0
-                                               and config.branch_at == "first_divergence")
+  rows.keep_history = config.branch_k > 0 or bool(config.recovery_from)
+  rows.track_oracle = (config.record_oracle or config.recovery_from == "first_divergence"
+                       or (config.branch_k > 0 and config.branch_at == "first_divergence"))
   with _timed(stats, "env_s"):
     prompts, anchors = rows.start(tasks, task_of_row, rows_keys, config, stats)
   buffer = EpisodeBuffer.start(prompts, config.context_length, config.max_steps, anchors,
@@ -227,6 +251,8 @@ def collect(params, model_config: ModelConfig, env: Environment, codec, tasks: A
     batch = _finish(buffer, policy, env, reward, task_of_row + group_offset, env_seed, labels,
                     config)
     stats.episode_info = dict(rows.episode_info(), **buffer.episode_info())
+    if config.recovery_from:  # before branching: a host pool's rows then become the branches
+      stats.recovery = recovery_starts(batch, buffer, rows, config.recovery_from, _reached)
   if config.branch_k:
     batch = _branch(batch, buffer, policy, rows, env, codec, config, stats, row_ids, labels,
                     on_env_step)
@@ -234,6 +260,44 @@ def collect(params, model_config: ModelConfig, env: Environment, codec, tasks: A
     stats.episodes = batch.batch_size
     stats.extra.update(rows.finish())
   return batch, stats
+
+
+def collect_recovery(params, model_config: ModelConfig, env: Environment, codec,
+                     starts: RecoveryStarts, config: RolloutConfig, *, sampling_seed: int,
+                     policy_version: int = 0, task_seed: int = 0, group_offset: int = 0,
+                     row_offset: int = 0, on_env_step=None) -> tuple[EpisodeBatch, RolloutStats]:
+  """`G = config.group_size` continuations of each of the `M` recovery `starts` (from an earlier
+  `collect`'s `RolloutStats.recovery`): `(EpisodeBatch [M*G], RolloutStats)`, start `j`'s rows
+  `j*G .. j*G+G-1` forming group `group_offset + j`. Each row is put back in its start's saved
+  environment state (a JAX state pytree; a host pool restores the snapshot or replays the actions)
+  with its token prefix, which the policy prefills afresh (`params` may be newer than those that
+  sampled it), and samples from the step after the source episode's first error. The prefix is
+  held as copies (loss_mask 0); rows have `parent = RECOVERY` and `branch_step` = that step.
+  Row `r` samples with `fold_in(key(sampling_seed), row_offset + r)`."""
+  if config.branch_k:
+    raise ValueError("collect_recovery does not branch: pass a RolloutConfig with branch_k=0.")
+  stats, g, m = RolloutStats(), config.group_size, len(starts)
+  index = np.repeat(np.arange(m), g)
+  start = starts.take(index)
+  buffer = start.buffer
+  prompts = [buffer.batch.tokens[r, :buffer.end[r]].tolist() for r in range(m * g)]
+  with _timed(stats, "env_s"):
+    kind = _HostRows if is_host(env) else _JaxRows
+    rows = kind.resume(env, codec, start.states, start.milestones)
+    rows.track_oracle = config.record_oracle
+  with _timed(stats, "generation_s"):
+    policy = _ModelPolicy(params, model_config, config, codec, prompts, sampling_seed,
+                          row_offset + np.arange(m * g))
+  _run_turns(buffer, policy, rows, codec, config, stats, start.steps.astype(np.int64), on_env_step)
+  labels = dict(policy_version=policy_version, task_seed=task_seed, sampling_seed=sampling_seed)
+  with _timed(stats, "host_s"):
+    batch = _finish(buffer, policy, env, env.reward_spec, group_offset + index, start.env_seed,
+                    labels, config)
+    stats.episode_info = dict(rows.episode_info(), **buffer.episode_info())
+    stats.episodes = batch.batch_size
+    stats.extra.update(rows.finish())
+  return batch.replace(parent=np.full(m * g, RECOVERY, np.int32),
+                       branch_step=start.steps.astype(np.int32)), stats
 
 
 def _run_turns(buffer: EpisodeBuffer, policy, rows, codec, config: RolloutConfig,
@@ -393,9 +457,19 @@ class _JaxRows:
     """Rows in the saved states: row `i` in row `parents[i]`'s state before its step `steps[i]`
     (the state holds the milestones reached: `milestones` is not needed)."""
     del milestones
+    return _JaxRows(self.env, self.codec, self.saved(parents, steps))
+
+  def saved(self, parents, steps):
+    """The state pytree (`[R, ...]` leaves) of row `parents[i]` before its step `steps[i]`."""
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *self.history)  # [T, B, ...] leaves
     at = (jnp.asarray(steps, jnp.int32), jnp.asarray(parents, jnp.int32))
-    return _JaxRows(self.env, self.codec, jax.tree.map(lambda x: x[at], stacked))
+    return jax.tree.map(lambda x: x[at], stacked)
+
+  @classmethod
+  def resume(cls, env: Environment, codec, saved, milestones=None) -> "_JaxRows":
+    """Rows in `saved` states (from `saved`, possibly of an earlier `collect`)."""
+    del milestones
+    return cls(env, codec, jax.tree.map(jnp.asarray, saved))
 
   def start(self, tasks, task_of_row, rows_keys, config, stats):
     states, _ = self.reset_fn(rows_keys, jax.tree.map(lambda a: jnp.asarray(a)[task_of_row], tasks))
@@ -464,15 +538,26 @@ class _HostRows:
     """Rows in saved states: row `i` in row `parents[i]`'s state before its step `steps[i]`
     (restored from that step's snapshot, or replayed from reset with the parent's actions), with
     the milestones it had reached (`milestones [R, M]` bool)."""
-    child = _HostRows(self.env, self.codec)
-    histories = [list(row.history) for row in self.pool.rows]
-    sources = [(self.tasks[p], self.pool.rows[p].seed, histories[p][:t], self.snapshots[t].get(p))
-               for p, t in zip(parents, steps)]
-    child.tasks = [self.tasks[p] for p in parents]
-    child.reached = np.asarray(milestones, bool).copy()
+    sources = self.saved(parents, steps)
     self.pool.finish()  # the roots' records, before the pool's rows become the branches
-    self.pool.fork(sources)
-    return child
+    return _HostRows.resume(self.env, self.codec, sources, milestones)
+
+  def saved(self, parents, steps) -> list:
+    """Row `parents[i]` before its step `steps[i]` as `EnvPool.fork` sources: `(task, seed,
+    actions so far, that step's snapshot or None)`."""
+    histories = [list(row.history) for row in self.pool.rows]
+    return [(self.tasks[p], self.pool.rows[p].seed, histories[p][:t], self.snapshots[t].get(p))
+            for p, t in zip(parents, steps)]
+
+  @classmethod
+  def resume(cls, env, codec, sources: list, milestones) -> "_HostRows":
+    """Rows started in the states `sources` describe (from `saved`, possibly of an earlier
+    `collect`), with the milestones they had reached (`[R, M]` bool)."""
+    rows = cls(env, codec)
+    rows.tasks = [source[0] for source in sources]
+    rows.reached = np.asarray(milestones, bool).copy()
+    rows.pool.fork(sources)
+    return rows
 
   def start(self, tasks, task_of_row, rows_keys, config, stats):
     tasks = list(tasks)

@@ -106,7 +106,7 @@ def collect_across_processes(params, model_config, env, codec, tasks: Any, env_k
   share = (hi - lo) * config.group_size
   first_row = np.arange(batch.parent.shape[0]) // share * share
   batch = batch.replace(parent=np.where(batch.parent >= 0, batch.parent + first_row,
-                                        -1).astype(np.int32))
+                                        batch.parent).astype(np.int32))
   merged = {f: scalars[:, i].max() if f in _MAX_FIELDS else scalars[:, i].sum()
             for i, f in enumerate(fields)}
   merged = {f: int(v) if isinstance(getattr(stats, f), int) else float(v)

@@ -81,6 +81,10 @@ ALGORITHMS = {
     # advantages (neither needs privileged information).
     "tree_grpo_milestone_verifier": {"algorithm.name": "tree_grpo", "rollout.branch_k": 3,
                                      "algorithm.step_verifier": "milestone"},
+    # Recovery tasks (issue 19): 2 of the 8 groups per update restart just after an earlier
+    # failed episode's first non-oracle action (the newest such failures), 6 are fresh tasks.
+    "grpo_recovery": {"algorithm.name": "grpo", "rollout.recovery_groups": 2,
+                      "rollout.recovery_from": "first_divergence"},
 }
 
 RESULT_FIELDS = ("env", "horizon", "actions", "algorithm", "seed", "updates", "episodes", "tokens",

@@ -39,6 +39,10 @@ advantages: step-local credit that is never folded into the outcome reward.
 by the weight of the action part it belongs to (`EpisodeBatch.action_part`, labelled by the
 rollout when a weight is not 1): hierarchical credit over the parts of a tool call.
 
+`critic` chooses how `ppo` and `tree_critic` parameterise their critic: "separate" (a `Critic` with
+its own trunk and optimiser step) or "shared" (a value head on the policy's trunk whose value loss
+is part of the policy's loss; `train/update.py`). Critic-free estimators refuse "shared".
+
 `empg=True` modulates the step advantages of a critic-free estimator by the policy's step entropy
 (EMPG, `turn_advantages.empg`); the learner then computes per-token entropies before the update.
 """
@@ -68,6 +72,7 @@ __all__ = ["ALGORITHMS", "ADVANTAGE_KINDS", "STEP_VERIFIERS", "Algorithm", "Adva
 
 ADVANTAGE_KINDS = ("gae", "length_adaptive_gae", "bilevel_gae")  # ppo's advantage (see `_ppo`)
 UNITS = ("token", "turn")  # what one step of ppo's GAE recursion is
+CRITICS = ("separate", "shared")  # how an algorithm with a critic parameterises it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +118,11 @@ class AlgorithmOptions(Options):
   # answer; `envs.action_parts`), multiplying each policy token's advantage; all 1 = off (the
   # rollout then does not label parts).
   part_weights: tuple = option((1.0, 1.0, 1.0, 1.0))
+  # The critic of an algorithm that has one (ppo, tree_critic): "separate" = its own decoder trunk
+  # and value head, trained by its own loss and optimiser (optim.critic_learning_rate); "shared" =
+  # a value head on the policy's trunk, its value loss (loss.value_coef) part of the policy's loss,
+  # so its gradient reaches the trunk (`train/update.py`).
+  critic: str = option("separate", choices=CRITICS)
 
   def check(self):
     w = self.part_weights
@@ -120,6 +130,11 @@ class AlgorithmOptions(Options):
         or not all(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in w)):
       fail("algorithm.part_weights", w, f"{len(PART_NAMES)} finite weights >= 0 for the parts "
            f"{PART_NAMES}")
+    if self.critic == "shared" and not self.spec.needs_critic:
+      with_critic = sorted(n for n, a in ALGORITHMS.items() if a.needs_critic)
+      fail("algorithm.critic", self.critic,
+           f"'separate' (the default) for algorithm.name={self.name!r}, which has no critic; "
+           f"'shared' (a value head on the policy trunk) applies to {with_critic}")
 
   @property
   def labels_parts(self) -> bool:
@@ -149,6 +164,8 @@ class Algorithm:
   # Needs branch rollouts (rollout.branch_k > 0): without branches its steps after the first have
   # no baseline but the row itself, and get advantage 0.
   needs_branches: bool = False
+  # Reads the batch's branch tree (`parent`, `branch_step`; core/tree_advantages.py).
+  reads_tree: bool = False
 
 
 ALGORITHMS: dict[str, Algorithm] = {}
@@ -330,11 +347,14 @@ register(Algorithm("rloo", _rloo, min_group_size=2))
 register(Algorithm("reinforce_pp", _reinforce_pp, min_group_size=2))
 register(Algorithm("gigpo", _gigpo, min_group_size=2))
 register(Algorithm("ppo", _ppo, needs_critic=True))
-register(Algorithm("vine", _tree(tree_adv.vine_advantages), min_group_size=2, needs_branches=True))
+register(Algorithm("vine", _tree(tree_adv.vine_advantages), min_group_size=2, needs_branches=True,
+                   reads_tree=True))
 register(Algorithm("branch", _tree(tree_adv.branch_advantages), min_group_size=2,
-                   needs_branches=True))
-register(Algorithm("tree_grpo", _tree(tree_adv.tree_grpo_advantages), min_group_size=2))
-register(Algorithm("tree_critic", _tree_critic, needs_critic=True, needs_branches=True))
+                   needs_branches=True, reads_tree=True))
+register(Algorithm("tree_grpo", _tree(tree_adv.tree_grpo_advantages), min_group_size=2,
+                   reads_tree=True))
+register(Algorithm("tree_critic", _tree_critic, needs_critic=True, needs_branches=True,
+                   reads_tree=True))
 
 
 def _milestone_scores(batch):

@@ -318,10 +318,11 @@ class AsyncRollouts:
     })
     return item, scale, metrics
 
-  def step(self, state, update: int, timer: Timer, hook=None):
+  def step(self, state, update: int, timer: Timer, hook=None, on_batch=None):
     """One asynchronous RL update: the next usable batch, the learner's `learn`, publish.
 
-    Returns `(state, metrics)` like `Learner.step` (plus the `async/*` metrics)."""
+    Returns `(state, metrics)` like `Learner.step` (plus the `async/*` metrics); `on_batch(batch,
+    stats)` as there."""
     try:
       item, scale, async_metrics = self.take(update)
       if hook is not None:
@@ -330,6 +331,8 @@ class AsyncRollouts:
       state, metrics = self._learner.learn(state, item.batch, item.stats, timer,
                                            row_scale=row_scale)
       self.publish(state.params, update + 1)
+      if on_batch is not None:
+        on_batch(item.batch, item.stats)
     except BaseException:
       self.close()  # do not leave actors sampling for a learner that has stopped
       raise

@@ -20,6 +20,7 @@ from longhorizon.envs.codec import STYLES
 from longhorizon.envs.host import HostEnvironment
 from longhorizon.envs.wrappers import FAULT_KINDS
 from longhorizon.models import DECODE_KERNELS, DECODE_QUANTS, LORA_TARGETS, registered_families
+from longhorizon.rollout.store import KEEP as STORE_KEEP
 from longhorizon.train.algorithms import ALGORITHMS, AlgorithmOptions
 from longhorizon.train.options import (COUNT as _COUNT, NON_NEGATIVE as _NON_NEGATIVE,
                                        NON_NEGATIVE_INT as _NON_NEGATIVE_INT,
@@ -41,6 +42,7 @@ _CHOICES = {
     "model.decode_kernel": DECODE_KERNELS,
     "model.decode_quant": DECODE_QUANTS,
     "eval.split": SPLITS,
+    "store.keep": tuple(STORE_KEEP),
 }
 
 
@@ -85,7 +87,7 @@ RANGES: dict[str, Range] = {
 }
 # (the typed sections' ranges, from their options classes, for the range tests and docs)
 RANGES.update({path: r for spec in SPECS for path, r in section_ranges(spec).items()})
-_BOOLS = ("tensorboard", "progress", "model.moe.replay", "eval.greedy")
+_BOOLS = ("tensorboard", "progress", "model.moe.replay", "eval.greedy", "store.enabled")
 _STRINGS = ("env.name", "model.checkpoint", "model.family", "tasks.data_dir")
 _MAPPINGS = ("env.params", "env.faults", "env.tool_costs")
 
@@ -226,6 +228,10 @@ def _check_rules(config):
     _fail("algorithm.step_verifier", a.step_verifier,
           f"'' for algorithm.name={a.name!r}: verifier step advantages are added to critic-free "
           f"estimators (grpo, gigpo, rloo, ...)")
+  if ALGORITHMS[a.name].reads_tree and config.rollout.recovery_groups:
+    _fail("rollout.recovery_groups", config.rollout.recovery_groups,
+          f"0 for algorithm.name={a.name!r}: the tree estimators read a batch's branch tree, which "
+          f"recovery episodes (started from an earlier batch's state) are not part of")
   if ALGORITHMS[a.name].needs_branches and not config.rollout.branch_k:
     _fail("rollout.branch_k", config.rollout.branch_k,
           f"an integer >= 1 for algorithm.name={a.name!r}: it estimates each step's value from the "
@@ -268,6 +274,12 @@ def _check_off_policy(config):
     _fail("curriculum.num_buckets", config.curriculum.num_buckets,
           "0 with rollout.mode='async' (the curriculum draws tasks from the learner's latest "
           "success estimates, which the actors run ahead of)")
+  for path, value in (("curriculum.num_buckets", config.curriculum.num_buckets),
+                      ("curriculum.step_budgets", tuple(config.curriculum.step_budgets))):
+    if config.rollout.recovery_groups and value:
+      _fail("rollout.recovery_groups", config.rollout.recovery_groups,
+            f"0 with {path}={value!r} (recovery groups replace some of the update's tasks, which "
+            f"that curriculum chooses or truncates)")
   if config.loss.reuse_behaviour_logprobs:
     if config.rollout.mode == "async":
       _fail("loss.reuse_behaviour_logprobs", True,

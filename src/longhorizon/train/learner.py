@@ -13,6 +13,11 @@ every forward pass an update needs besides the update itself (the proximal polic
 KL reference's, the critic's values), the advantages and the jitted update, which is closed over the
 optimisers and options (with explicit shardings on a mesh) and compiled once per learner.
 
+The critic of `ppo` / `tree_critic` is a separate `Critic` (`algorithm.critic='separate'`), or
+with `'shared'` a value head on the policy's trunk (`TrainState.critic_params` then holds the head
+alone; its rollout-time values come with the proximal log-probs, from the same pass; the update
+trains trunk and head in one loss: `train/update.py`).
+
 Its drivers: the synchronous loop (`train/loop.py`: `step` per update), the asynchronous pipeline
 (`train/async_rollout.py`: actors call `collect_batch` with published parameters, the learner thread
 `learn`) and the horizon study (`studies/horizon.py`: one learner per algorithm via `with_config`).
@@ -41,8 +46,8 @@ from longhorizon import rollout
 from longhorizon.core import episode as episode_lib
 from longhorizon.core.episode import Termination, to_device
 from longhorizon.envs import tasks as task_suites
-from longhorizon.models import (Critic, ModelConfig, Transformer, init_params, lora, sharding,
-                                tiny_config)
+from longhorizon.models import (Critic, ModelConfig, PolicyWithValue, Transformer, init_params,
+                                lora, sharding, tiny_config)
 from longhorizon.models import checkpoint as checkpoint_lib
 from longhorizon.train import config as config_lib
 from longhorizon.train.algorithms import AlgorithmOptions, compute_advantages
@@ -116,12 +121,25 @@ def check_process_split(config, eval_size: int, process_count: int | None = None
 
 
 @functools.partial(jax.jit, static_argnames=("config", "temperature", "chunk_size", "with_entropy"))
-def _logprobs(params, batch, *, config, temperature, chunk_size=4096, with_entropy=False):
+def _logprobs(params, batch, *, config, temperature, chunk_size=4096, with_entropy=False,
+              value_head=None):
   return episode_logprobs(params, config, batch, temperature=temperature, chunk_size=chunk_size,
-                          return_entropy=with_entropy)
+                          return_entropy=with_entropy, value_head=value_head)
 
 
 _critic_values = jax.jit(critic_values, static_argnames=("config",))
+
+
+def _init_critic(model_config: ModelConfig, rng, shared: bool):
+  """Fresh critic parameters: a separate `Critic` (its own trunk and value head), or for the
+  shared critic only the `value_head` of the family's `PolicyWithValue` (its trunk is the policy;
+  jitted, so the unused trunk initialisation is compiled away)."""
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  if not shared:
+    return nn.meta.unbox(Critic(model_config).init(rng, tokens)["params"])
+  head = lambda k: nn.meta.unbox(PolicyWithValue(model_config).init(
+      k, tokens, compute_logits=False)["params"]["value_head"])
+  return jax.jit(head)(rng)
 
 
 def _policy(config, env) -> tuple[ModelConfig, Any, Any]:
@@ -184,7 +202,8 @@ def _mesh_rules(config) -> tuple:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Learner:
-  """Everything a run builds from its config (no mutable training state); see the module doc."""
+  """Everything a run builds from its config; its one piece of training state is the recovery
+  starts it keeps between updates (`rollout.recovery_groups`). See the module doc."""
   config: Any  # the validated ConfigDict (read by the drivers: eval, sft, curriculum, alarms)
   env: envs.Environment
   codec: Any
@@ -198,10 +217,15 @@ class Learner:
   loss: LossOptions  # its `agg` resolved ("" -> the algorithm's default)
   optim: OptimOptions
   optimizer: Any
-  critic_optimizer: Any  # None unless the algorithm needs a critic
+  # None unless the algorithm needs a critic; with algorithm.critic='shared' it steps the value
+  # head alone (the trunk is the policy's, stepped by `optimizer`)
+  critic_optimizer: Any
   # The jitted update(s), built on first use; never shared with a copy (`dataclasses.replace` or
   # `with_config` may change what they close over).
   _jitted: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
+  # Recovery starts kept from earlier training collects (`rollout.recovery_groups`); each copy of
+  # a learner starts with none.
+  _kept: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
 
   # ------------------------------------------------------------------------------ construction
   @classmethod
@@ -271,12 +295,18 @@ class Learner:
       return contextlib.nullcontext()
     return sharding.mesh_context(self.mesh, _mesh_rules(self.config))
 
+  @property
+  def shared_critic(self) -> bool:
+    """Whether the critic is a value head on the policy's trunk (`algorithm.critic='shared'`)."""
+    return self.critic_optimizer is not None and self.algorithm.critic == "shared"
+
   def initial_state(self) -> TrainState:
+    """The state before any update: the initial policy, fresh optimiser states and, for an
+    algorithm with a critic, a fresh critic (with the shared critic: only its value head)."""
     critic_params = critic_opt = None
     if self.critic_optimizer is not None:
-      critic_params = Critic(self.model_config).init(
-          key(self.config.seed, 2), jnp.zeros((1, 1), jnp.int32))["params"]
-      critic_params = nn.meta.unbox(critic_params)
+      critic_params = _init_critic(self.model_config, key(self.config.seed, 2),
+                                   self.shared_critic)
       critic_opt = self.critic_optimizer.init(critic_params)
     return TrainState(params=self.init_params, opt_state=self.init_opt_state(self.init_params),
                       critic_params=critic_params, critic_opt_state=critic_opt,
@@ -322,23 +352,59 @@ class Learner:
     (default `update`) is recorded on every episode; `on_env_step` goes to `rollout.collect`;
     `step_budget` (a horizon curriculum's) truncates episodes sooner than `env.max_steps`."""
     c, n = self.config, self.rollout.num_tasks
+    starts = self._recovery_starts()
+    fresh = n - (len(starts) if starts is not None else 0)
     if task_indices is None:
-      tasks = self.tasks_at(data_position, n)
+      tasks = self.tasks_at(data_position, fresh)
     else:
-      tasks = task_suites.stack(self.train_tasks, task_indices)
+      tasks = task_suites.stack(self.train_tasks, list(task_indices)[:fresh])
     extra = {} if on_env_step is None else {"on_env_step": on_env_step}
+    rc = self.rollout.collect_config(
+        c.env.max_steps, branch=True,
+        record_oracle=self.rollout.record_oracle or self.algorithm.step_verifier == "oracle",
+        label_parts=self.algorithm.labels_parts, step_budget=step_budget)
+    common = dict(sampling_seed=c.seed * 1_000_003 + update, task_seed=c.tasks.seed,
+                  policy_version=update if policy_version is None else policy_version, **extra)
     with timer("rollout"):
-      return rollout.collect_across_processes(
+      batch, stats = rollout.collect_across_processes(
           params, self.model_config, self.env, self.codec, tasks,
-          jax.random.split(key(c.seed, 5, update), n),
-          self.rollout.collect_config(
-              c.env.max_steps, branch=True,
-              record_oracle=(self.rollout.record_oracle
-                             or self.algorithm.step_verifier == "oracle"),
-              label_parts=self.algorithm.labels_parts, step_budget=step_budget),
-          sampling_seed=c.seed * 1_000_003 + update,
-          policy_version=update if policy_version is None else policy_version,
-          task_seed=c.tasks.seed, group_offset=update * n, **extra)
+          jax.random.split(key(c.seed, 5, update), n)[:fresh], rc, group_offset=update * n,
+          **common)
+      if self.rollout.recovery_groups:
+        batch, stats = self._with_recovery(params, batch, stats, starts, rc, update, common)
+    return batch, stats
+
+  def _recovery_starts(self):
+    """This update's recovery starts (newest first), None when off or none are kept yet."""
+    if not self.rollout.recovery_groups:
+      return None
+    if jax.process_count() > 1:
+      raise ValueError("rollout.recovery_groups needs a single-process run: the starts are kept "
+                       "by each process's own collect.")
+    pool = self._kept.setdefault("recovery", rollout.RecoveryPool(self.rollout.recovery_capacity))
+    return pool.pop(self.rollout.recovery_groups)
+
+  def _with_recovery(self, params, batch, stats, starts, rc, update: int, common: dict):
+    """`batch` (the fresh tasks) followed by the recovery groups of `starts` (one group of G per
+    start, after the fresh groups and rows); keeps the fresh batch's new starts."""
+    new_starts, fresh = stats.recovery, batch.batch_size // rc.group_size
+    info = {"recovery/groups": 0.0, "recovery/success_rate": float("nan"),
+            "recovery/start_step": float("nan")}
+    if starts is not None:
+      back, back_stats = rollout.collect_recovery(
+          params, self.model_config, self.env, self.codec, starts,
+          dataclasses.replace(rc, branch_k=0, recovery_from=""),
+          group_offset=update * self.rollout.num_tasks + fresh,
+          row_offset=batch.batch_size, **common)
+      batch = jax.tree.map(lambda a, b: np.concatenate([np.asarray(a), np.asarray(b)]),
+                           batch, back)
+      stats = rollout.merge_stats(stats, back_stats)
+      info = {"recovery/groups": float(len(starts)),
+              "recovery/success_rate": float(np.mean(back.success)),
+              "recovery/start_step": float(np.mean(starts.steps))}
+    self._kept["recovery"].add(new_starts)
+    stats.extra.update(info, **{"recovery/kept": float(len(self._kept["recovery"]))})
+    return batch, stats
 
   def logprobs(self, params, batch, *, temperature: float | None = None, config=None):
     """`[B, L]` token log-probs of `batch` under `params` (at the rollout temperature), with the
@@ -378,19 +444,26 @@ class Learner:
         episode_lib.used_length(batch), full, self.optim.length_buckets))
 
   def step(self, state: TrainState, update: int, data_position: int, timer: Timer, hook=None,
-           task_indices=None, step_budget: int | None = None):
-    """One synchronous RL update: `collect_batch` with the current parameters, then `learn`."""
+           task_indices=None, step_budget: int | None = None, on_batch=None):
+    """One synchronous RL update: `collect_batch` with the current parameters, then `learn`.
+    `on_batch(batch, stats)`, if given, is called after `learn` with the batch it trained on (the
+    training loop's trajectory store)."""
     batch, stats = self.collect_batch(state.params, update, data_position, timer, task_indices,
                                       step_budget=step_budget)
     if hook is not None:
       hook("update", update)
-    return self.learn(state, batch, stats, timer)
+    state, metrics = self.learn(state, batch, stats, timer)
+    if on_batch is not None:
+      on_batch(batch, stats)
+    return state, metrics
 
   def learn_inputs(self, state: TrainState, db, row_scale=None) -> LearnInputs:
     """The update's inputs for the device batch `db`: the loss's anchor log-probs (the proximal
     policy's, `state.params` before the update, or the behaviour ones), critic values, advantages
-    with their row weights, and the KL reference's log-probs."""
-    old_logp, entropy = db.behavior_logprobs, None
+    with their row weights, and the KL reference's log-probs. The shared critic's values are
+    `state.params`' trunk under `state.critic_params`' head, from the proximal pass when there is
+    one (else a pass of their own)."""
+    old_logp, entropy, values = db.behavior_logprobs, None, None
     if self.algorithm.empg:  # EMPG's step entropies: the current policy's, one extra pass
       logp, entropy = _logprobs(state.params, db, config=self.model_config,
                                 temperature=self.rollout.temperature,
@@ -398,10 +471,16 @@ class Learner:
       if self.loss.spec.anchor == "proximal":
         old_logp = logp
     elif self.loss.spec.anchor == "proximal" and not self.loss.reuse_behaviour_logprobs:
-      old_logp = self.logprobs(state.params, db)
-    values = None
-    if self.critic_optimizer is not None:
-      values = _critic_values(state.critic_params, self.model_config, db)
+      if self.shared_critic:  # one trunk pass: proximal log-probs and rollout-time values
+        old_logp, values = _logprobs(state.params, db, config=self.model_config,
+                                     temperature=self.rollout.temperature,
+                                     chunk_size=self.loss.chunk_size,
+                                     value_head=state.critic_params)
+      else:
+        old_logp = self.logprobs(state.params, db)
+    if self.critic_optimizer is not None and values is None:
+      trunk = (state.params,) if self.shared_critic else ()
+      values = _critic_values(state.critic_params, self.model_config, db, *trunk)
     adv = compute_advantages(db, values, self.algorithm, entropy)
     row_weight = adv.row_weight
     if row_scale is not None:
@@ -427,7 +506,8 @@ class Learner:
           config=self.model_config, optimizer=self.optimizer,
           critic_optimizer=self.critic_optimizer, loss=self.loss,
           temperature=self.rollout.temperature, epochs=self.optim.epochs,
-          minibatches=self.optim.minibatches, shardings=layout)
+          minibatches=self.optim.minibatches, shardings=layout,
+          shared_critic=self.shared_critic)
     return self._jitted[cache_key]
 
   # ---------------------------------------------------------------------- warm start, evaluation
@@ -517,10 +597,11 @@ def episode_metrics(batch, row_weight) -> dict:
 
 def first_error_metrics(batch) -> dict:
   """Where episodes first leave the oracle's path, when the rollout recorded it
-  (`EpisodeBatch.oracle_match`; roots only, a branch's copied steps are its parent's):
+  (`EpisodeBatch.oracle_match`; roots only: a branch's or a recovery episode's copied steps are
+  another episode's):
   `first_error/rate` (episodes with a non-oracle action), `/mean_step`, `/at_first_step` and
   `/step_k` (fractions of those episodes whose first error is at step k). Empty if not recorded."""
-  match, roots = np.asarray(batch.oracle_match), np.asarray(batch.parent) < 0
+  match, roots = np.asarray(batch.oracle_match), np.asarray(batch.parent) == -1
   if not (match >= 0).any():
     return {}
   wrong = (match == 0)[roots]

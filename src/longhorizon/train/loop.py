@@ -9,6 +9,8 @@ Phases (each resumable from `workdir`):
 3. RL: per update, the next `num_tasks` train tasks (the data position is checkpointed), `G`
    rollouts each, advantages by the configured algorithm, one jitted update; metrics to
    `metrics.jsonl` and TensorBoard, a progress bar, checkpoints every `checkpoint_every` updates;
+   with `config.store.enabled`, each update's training batch appended to the trajectory store
+   `<workdir>/trajectories/` (`trajectory_store`; print it with `python -m longhorizon.cli.store`);
 4. final evaluation on `eval.split`: `eval.json` and `learning_curve.png`.
 
 Determinism: every random stream of update `u` is derived from `(config.seed, u)` and the
@@ -46,6 +48,7 @@ from longhorizon.envs import tasks as task_suites
 from longhorizon.eval import metrics as metrics_lib
 from longhorizon.eval.provenance import provenance
 from longhorizon.eval import runner
+from longhorizon.rollout.store import KEEP, TrajectoryStore
 from longhorizon.train import config as config_lib
 from longhorizon.train import workdir as workdir_lib
 from longhorizon.train.async_rollout import AsyncRollouts
@@ -56,7 +59,10 @@ from longhorizon.train.learner import Learner
 from longhorizon.train.metrics import MetricsWriter, Progress, Timer, read_metrics
 from longhorizon.train.update import TrainState
 
-__all__ = ["train_and_evaluate", "eval_seed", "new_run", "start_from"]
+__all__ = ["train_and_evaluate", "eval_seed", "new_run", "start_from", "trajectory_store",
+           "STORE_DIR"]
+
+STORE_DIR = "trajectories"  # the run's trajectory store, under its workdir (`config.store`)
 
 
 def eval_seed(config) -> int:
@@ -276,7 +282,7 @@ def _train_and_evaluate(s: Learner, config, workdir: str, *, hook=None, init_fro
   param_bytes = params_bytes_per_device(state.params)
   curriculum, buckets = make_curriculum(s, meta.get("curriculum"))
   horizon = make_horizon_curriculum(config, meta.get("horizon"))
-  pipeline = None
+  pipeline, store_batch = None, trajectory_store(config, workdir)
   if config.rollout.mode == "async" and start < config.num_updates:
     # Actor threads sample with published copies of the parameters (train/async_rollout.py); a
     # resumed run restarts them from the checkpointed parameters at the checkpointed batch.
@@ -294,9 +300,9 @@ def _train_and_evaluate(s: Learner, config, workdir: str, *, hook=None, init_fro
           config.rollout.num_tasks, curriculum.cursor)
     if pipeline is None:
       state, metrics = s.step(state, update, data_position, timer, hook, task_indices,
-                              step_budget=horizon.budget if horizon else None)
+                              step_budget=horizon and horizon.budget, on_batch=store_batch(update))
     else:
-      state, metrics = pipeline.step(state, update, timer, hook)
+      state, metrics = pipeline.step(state, update, timer, hook, on_batch=store_batch(update))
     task_success = metrics.pop("_task_success")
     if curriculum is not None:
       curriculum.update(task_buckets, task_success)
@@ -335,6 +341,21 @@ def _train_and_evaluate(s: Learner, config, workdir: str, *, hook=None, init_fro
   result = _final_evaluation(s, config, workdir, state.params, meta)
   checkpointer.close()
   return result
+
+
+def trajectory_store(config, workdir: str):
+  """`for_update(update) -> on_batch(batch, stats)` or None: with `config.store.enabled`, process 0
+  appends each update's training batch (the one `learn` was given) to `<workdir>/trajectories/`
+  (`rollout/store.py`) as update `update + 1` (numbered as in metrics.jsonl), with the rollout's
+  `episode_info`, keeping the episodes `config.store.keep` names. A resumed run appends; the updates
+  it computes again after its checkpoint are stored again."""
+  c = config.get("store")
+  if not (c and c.enabled) or jax.process_index() != 0:
+    return lambda update: None
+  store = TrajectoryStore(os.path.join(workdir, STORE_DIR))
+  meta = {"env": config.env.name, "algorithm": config.algorithm.name, "seed": config.seed}
+  return lambda update: lambda batch, stats: store.append(
+      batch, update=update + 1, info=stats.episode_info, meta=meta, filters=KEEP[c.keep])
 
 
 def _warn_about(update: int, metrics: dict, skipped_before: int) -> int:

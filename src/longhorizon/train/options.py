@@ -19,7 +19,7 @@ from typing import Any, Callable, ClassVar, Sequence
 
 import ml_collections
 
-from longhorizon.rollout import BRANCH_POINTS, RolloutConfig
+from longhorizon.rollout import BRANCH_POINTS, RECOVERY_FROM, RolloutConfig
 
 __all__ = ["ConfigError", "Range", "Options", "RolloutOptions", "OptimOptions", "PoolOptions",
            "option", "fail",
@@ -181,11 +181,25 @@ class RolloutOptions(Options):
   record_oracle: bool = option(False)
   # Prefill each task's prompt once for its group_size rollouts (rollout.RolloutConfig.share_prompts)
   share_prompts: bool = option(False)
+  # Recovery tasks (rollout/recovery.py): of each update's num_tasks groups, up to recovery_groups
+  # restart from a saved state just after an earlier failed episode's first error (by
+  # recovery_from), G continuations each with the current policy, newest failures first; the
+  # rest are fresh tasks, so the episodes per update stay num_tasks x group_size. The learner
+  # keeps the newest recovery_capacity starts (in memory: a resumed run starts with none). 0 = off.
+  recovery_groups: int = option(0, range=NON_NEGATIVE_INT)
+  recovery_from: str = option("first_divergence", choices=lambda: RECOVERY_FROM)
+  recovery_capacity: int = option(64, range=COUNT)
 
   def check(self):
     if self.group_size % (1 + self.branch_k):
       fail("rollout.branch_k", self.branch_k, f"a value with branch_k + 1 dividing "
            f"rollout.group_size={self.group_size} (roots x (1 + branch_k) episodes per task)")
+    if self.recovery_groups >= self.num_tasks:
+      fail("rollout.recovery_groups", self.recovery_groups, f"below rollout.num_tasks="
+           f"{self.num_tasks} (fresh tasks are where new recovery starts come from)")
+    if self.recovery_groups and self.mode == "async":
+      fail("rollout.recovery_groups", self.recovery_groups, "0 with rollout.mode='async' (the "
+           "starts are kept by the learner's collect)")
 
   def collect_config(self, max_steps: int, *, group_size: int | None = None,
                      temperature: float | None = None, branch: bool = False,
@@ -200,7 +214,9 @@ class RolloutOptions(Options):
                          top_k=self.top_k, top_p=self.top_p,
                          branch_k=self.branch_k if branch else 0, branch_at=self.branch_at,
                          record_oracle=record_oracle, label_parts=label_parts,
-                         step_budget=step_budget or 0, share_prompts=self.share_prompts)
+                         step_budget=step_budget or 0, share_prompts=self.share_prompts,
+                         recovery_from=self.recovery_from if branch and self.recovery_groups
+                         else "")
 
 
 @dataclasses.dataclass(frozen=True)

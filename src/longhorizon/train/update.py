@@ -17,6 +17,15 @@ Loss (per minibatch):
     - entropy_coef * aggregate(entropy, mask)
     + value_coef * value_loss(values, old_values, returns, mask)    (algorithms with a critic)
 
+The value term: with a separate critic (`algorithm.critic='separate'`: a `Critic` with its own
+trunk in `TrainState.critic_params`) it is a second loss, differentiated and stepped by the critic
+optimiser alone, so it never moves the policy. With the shared critic (`'shared'`:
+`critic_params` is only a value head, read on the policy's final hidden states of the same
+forward pass, as in `PolicyWithValue`) it is part of the one loss above: its gradient reaches the
+policy trunk (with LoRA, the adapters alone), the policy optimiser steps the trunk and the critic
+optimiser the head, and the `loss` metric includes it. The head is float32 parameters applied to
+the hidden states cast to float32, whatever the model's compute dtype (`model.dtype`).
+
 `mask` is the loss mask (sampled tokens only: prompt and observation tokens never get gradient or
 KL) times the algorithm's row weights (env-error episodes and filtered groups are 0). `old_logp`
 is the loss's anchor (`PolicyLoss.anchor`): the pre-update (proximal) policy's log-probs,
@@ -38,7 +47,8 @@ import optax
 from longhorizon.core import logprobs as lp
 from longhorizon.core import losses
 from longhorizon.core.episode import EpisodeBatch
-from longhorizon.models import Critic, ModelConfig, Transformer, lora, unembedding
+from longhorizon.models import (Critic, ModelConfig, PolicyWithValue, Transformer, lora,
+                                unembedding)
 from longhorizon.train.policy_losses import LossOptions
 
 __all__ = ["TrainState", "LearnInputs", "make_optimizer", "episode_logprobs", "rl_update",
@@ -78,20 +88,40 @@ def make_optimizer(learning_rate: float, *, warmup_steps: int = 0, total_steps: 
   return optax.chain(*parts)
 
 
+def _forward(params, config: ModelConfig, batch, *, dropout_rng=None, value_head=None):
+  """`(DecoderOutput, values)` of the policy on `batch`: `Transformer(config)`, or with
+  `value_head` (a shared critic's head parameters) the family's `PolicyWithValue` over `params` as
+  its trunk, whose `[B, L]` values come from the same pass (else `values` is None)."""
+  tokens = jnp.asarray(batch.tokens)
+  lengths = jnp.asarray(batch.attention_mask).sum(-1).astype(jnp.int32)
+  rngs = {"dropout": dropout_rng} if dropout_rng is not None and config.lora_dropout else None
+  routing = getattr(batch, "routing", None) if config.num_experts else None
+  args = (tokens, jnp.asarray(batch.positions), lengths)
+  if value_head is None:
+    return Transformer(config).apply({"params": params}, *args, compute_logits=False, rngs=rngs,
+                                     routing=routing), None
+  return PolicyWithValue(config).apply({"params": {"trunk": params, "value_head": value_head}},
+                                       *args, compute_logits=False, rngs=rngs, routing=routing)
+
+
+def _shift(x):
+  """`[B, L]` per-position outputs moved to the next token: the value (or log-prob) of token `t`'s
+  decision is read at `t - 1`; 0 at position 0."""
+  return jnp.pad(x[:, :-1], ((0, 0), (1, 0)))
+
+
 def episode_logprobs(params, config: ModelConfig, batch, *, temperature=1.0, chunk_size=4096,
-                     return_entropy=False, dropout_rng=None, return_aux=False):
+                     return_entropy=False, dropout_rng=None, return_aux=False, value_head=None):
   """`[B, L]` log-probs of each token given its prefix (0 at position 0), optionally entropies.
 
   Token `t` is scored from the hidden state at `t - 1`; rows are right-padded (`attention_mask`).
   `dropout_rng` turns on LoRA adapter dropout (`ModelConfig.lora_dropout`; training losses only).
   A mixture-of-experts model replays `batch.routing` (the sampler's experts, R3) when the batch
-  carries it, else routes afresh. `return_aux` appends its load-balancing loss (0 for dense ones)."""
+  carries it, else routes afresh. `return_aux` appends its load-balancing loss (0 for dense ones).
+  `value_head` (the shared critic's head parameters) appends the `[B, L]` values of that head on
+  the same pass's final hidden states, aligned as `critic_values` aligns them."""
   tokens = jnp.asarray(batch.tokens)
-  lengths = jnp.asarray(batch.attention_mask).sum(-1).astype(jnp.int32)
-  rngs = {"dropout": dropout_rng} if dropout_rng is not None and config.lora_dropout else None
-  routing = getattr(batch, "routing", None) if config.num_experts else None
-  out = Transformer(config).apply({"params": params}, tokens, jnp.asarray(batch.positions),
-                                  lengths, compute_logits=False, rngs=rngs, routing=routing)
+  out, values = _forward(params, config, batch, dropout_rng=dropout_rng, value_head=value_head)
   res = lp.token_logprobs_from_hidden(out.hidden[:, :-1], unembedding(params, config),
                                       tokens[:, 1:], chunk_size=min(chunk_size, config.vocab_size),
                                       temperature=temperature, return_entropy=return_entropy,
@@ -101,16 +131,24 @@ def episode_logprobs(params, config: ModelConfig, batch, *, temperature=1.0, chu
   res = (pad(res[0]), pad(res[1])) if return_entropy else (pad(res),)
   if return_aux:
     res = (*res, jnp.zeros((), jnp.float32) if out.aux_loss is None else out.aux_loss)
+  if value_head is not None:
+    res = (*res, _shift(values))
   return res if len(res) > 1 else res[0]
 
 
-def critic_values(critic_params, config: ModelConfig, batch):
+def critic_values(critic_params, config: ModelConfig, batch, trunk_params=None):
   """`[B, L]` critic values aligned like log-probs: the value of token `t`'s decision point is read
-  at `t - 1` (0 at position 0)."""
+  at `t - 1` (0 at position 0).
+
+  `critic_params` is a separate `Critic` (its own trunk and head), or with `trunk_params` (the
+  shared critic, `algorithm.critic='shared'`) only the value head, read on the final hidden states
+  of the policy `trunk_params` (`PolicyWithValue`)."""
+  if trunk_params is not None:
+    return _shift(_forward(trunk_params, config, batch, value_head=critic_params)[1])
   tokens = jnp.asarray(batch.tokens)
   lengths = jnp.asarray(batch.attention_mask).sum(-1).astype(jnp.int32)
   values = Critic(config).apply({"params": critic_params}, tokens, jnp.asarray(batch.positions), lengths)
-  return jnp.pad(values[:, :-1], ((0, 0), (1, 0)))
+  return _shift(values)
 
 
 _norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
@@ -158,11 +196,14 @@ def _prepare(batch: EpisodeBatch, x: LearnInputs, loss: LossOptions) -> dict:
 
 
 def _policy_loss(trainable, frozen, mb, *, config: ModelConfig, loss: LossOptions,
-                 temperature: float):
-  logp, ent, aux = episode_logprobs(lora.combine(trainable, frozen), config, mb["batch"],
-                                    temperature=temperature, chunk_size=loss.chunk_size,
-                                    return_entropy=True, dropout_rng=mb["dropout_rng"],
-                                    return_aux=True)
+                 temperature: float, value_head=None):
+  """The minibatch's policy loss (plus KL, entropy and MoE terms) and its metrics; with
+  `value_head` (the shared critic) also `value_coef` times the value loss of that head on the same
+  pass's hidden states, so the value gradient reaches the trunk's trainable parameters."""
+  logp, ent, aux, *values = episode_logprobs(
+      lora.combine(trainable, frozen), config, mb["batch"], temperature=temperature,
+      chunk_size=loss.chunk_size, return_entropy=True, dropout_rng=mb["dropout_rng"],
+      return_aux=True, value_head=value_head)
   value, metrics = loss.spec.fn(logp, mb["old_logp"], mb["adv"], mb["mask"], mb["is_weights"], loss)
   metrics = dict(metrics, policy_loss=value, entropy=losses.masked_mean(ent, mb["mask"]))
   if config.num_experts:  # MoE: the load-balancing loss, over every real token of the minibatch
@@ -177,32 +218,53 @@ def _policy_loss(trainable, frozen, mb, *, config: ModelConfig, loss: LossOption
     if loss.kl_coef:
       value = value + loss.kl_coef * losses.aggregate(kl, mb["mask"], loss.agg,
                                                    loss.norm_length or None)
+  if value_head is not None:
+    vvalue, vmetrics = _value_term(values[0], mb, loss)
+    value, metrics = value + vvalue, dict(metrics, **vmetrics)
   return value, metrics
 
 
-def _critic_loss(critic_params, mb, *, config: ModelConfig, loss: LossOptions):
-  values = critic_values(critic_params, config, mb["batch"])
+def _value_term(values, mb, loss: LossOptions):
+  """`value_coef` times the (clipped) value loss of `[B, L]` `values`, and its metrics."""
   value, metrics = losses.value_loss(values, mb["old_values"], mb["returns"], mb["mask"],
                                      clip=loss.value_clip or None)
   return loss.value_coef * value, dict(metrics, value_loss=value)
 
 
+def _critic_loss(critic_params, mb, *, config: ModelConfig, loss: LossOptions):
+  return _value_term(critic_values(critic_params, config, mb["batch"]), mb, loss)
+
+
 def _minibatch_step(state: TrainState, mb, *, config, optimizer, critic_optimizer, loss,
-                    temperature):
-  """One optimiser step (policy, and critic if any) on minibatch `mb`; skipped if not finite."""
+                    temperature, shared_critic=False):
+  """One optimiser step (policy, and critic if any) on minibatch `mb`; skipped if not finite.
+
+  A separate critic is a second loss and step (skipped on its own if not finite). A shared one
+  (`shared_critic`) is one loss over `(trainable policy parameters, value head)`: `optimizer`
+  steps the policy part (its global-norm clip sees the value gradient too), `critic_optimizer`
+  the head, both skipped together."""
   policy = functools.partial(_policy_loss, config=config, loss=loss, temperature=temperature)
   trainable, frozen = lora.partition(state.params, config)
-  (value, metrics), grads = jax.value_and_grad(policy, has_aux=True)(trainable, frozen, mb)
+  critic_params, critic_opt = state.critic_params, state.critic_opt_state
+  if shared_critic:
+    joint = lambda both, frozen, mb: policy(both[0], frozen, mb, value_head=both[1])
+    (value, metrics), (grads, cgrads) = jax.value_and_grad(joint, has_aux=True)(
+        (trainable, critic_params), frozen, mb)
+  else:
+    (value, metrics), grads = jax.value_and_grad(policy, has_aux=True)(trainable, frozen, mb)
   # Non-finite inputs on the mask (the log-ratio clamp would hide an infinite old log-prob) or a
   # non-finite loss/gradient: skip the step.
   on = mb["mask"] > 0
   ok = (jnp.isfinite(value) & _finite(grads)
         & _finite([jnp.where(on, mb["adv"], 0.0), jnp.where(on, mb["old_logp"], 0.0)]))
+  if shared_critic:
+    ok = ok & _finite(cgrads)
+    critic_params, critic_opt = _apply(critic_optimizer, critic_params, critic_opt, cgrads, ok)
+    metrics["critic_grad_norm"] = _norm(cgrads)
   trainable, opt_state = _apply(optimizer, trainable, state.opt_state, grads, ok)
   params = lora.combine(trainable, frozen)
   metrics = dict(metrics, loss=value, grad_norm=_norm(grads))
-  critic_params, critic_opt = state.critic_params, state.critic_opt_state
-  if critic_optimizer is not None:
+  if critic_optimizer is not None and not shared_critic:
     critic = functools.partial(_critic_loss, config=config, loss=loss)
     (cvalue, cmetrics), cgrads = jax.value_and_grad(critic, has_aux=True)(critic_params, mb)
     cok = jnp.isfinite(cvalue) & _finite(cgrads)
@@ -217,19 +279,24 @@ def _minibatch_step(state: TrainState, mb, *, config, optimizer, critic_optimize
 
 def rl_update(state: TrainState, batch: EpisodeBatch, inputs: LearnInputs, *, config: ModelConfig,
               optimizer, critic_optimizer, loss: LossOptions, temperature: float = 1.0,
-              epochs: int = 1, minibatches: int = 1):
+              epochs: int = 1, minibatches: int = 1, shared_critic: bool = False):
   """Runs `epochs x minibatches` optimiser steps on one batch; returns `(state, metrics)`.
 
   `inputs` holds the advantages, row weights and log-probs of the batch (see `LearnInputs`);
-  `temperature` is the sampling temperature (log-probs are of the sampled distribution). Not jitted:
+  `temperature` is the sampling temperature (log-probs are of the sampled distribution).
+  `shared_critic`: `state.critic_params` is a value head on the policy's trunk (see
+  `_minibatch_step`; `critic_optimizer` steps it), not a separate `Critic`. Not jitted:
   `jit_rl_update` closes it over its static arguments.
   """
+  if shared_critic and critic_optimizer is None:
+    raise ValueError("rl_update(shared_critic=True) needs a critic_optimizer for the value head.")
   b = batch.tokens.shape[0]
   if b % minibatches:
     raise ValueError(f"batch of {b} episodes does not split into {minibatches} minibatches.")
   data = _prepare(batch, inputs, loss)
   step = functools.partial(_minibatch_step, config=config, optimizer=optimizer,
-                           critic_optimizer=critic_optimizer, loss=loss, temperature=temperature)
+                           critic_optimizer=critic_optimizer, loss=loss, temperature=temperature,
+                           shared_critic=shared_critic)
   rng, perm_key = jax.random.split(state.rng)
   keys = jax.random.split(perm_key, epochs)
   order = jnp.concatenate([jax.random.permutation(k, b) for k in keys]).reshape(-1, b // minibatches)
@@ -262,7 +329,7 @@ def _dropout_keys(key, steps: int, config: ModelConfig):
 
 def jit_rl_update(*, config: ModelConfig, optimizer, critic_optimizer, loss: LossOptions,
                   temperature: float = 1.0, epochs: int = 1, minibatches: int = 1,
-                  shardings=None):
+                  shardings=None, shared_critic: bool = False):
   """`rl_update` jitted with its static arguments closed over: `(state, batch, inputs) -> (state,
   metrics)`, the state donated. `shardings`, if given, is the `(state, batch, inputs, metrics)`
   shardings (each a `jax.sharding.Sharding` or a pytree of them): the first three are the update's
@@ -270,7 +337,7 @@ def jit_rl_update(*, config: ModelConfig, optimizer, critic_optimizer, loss: Los
   than inferred and the state comes back laid out as it went in."""
   fn = functools.partial(rl_update, config=config, optimizer=optimizer,
                          critic_optimizer=critic_optimizer, loss=loss, temperature=temperature,
-                         epochs=epochs, minibatches=minibatches)
+                         epochs=epochs, minibatches=minibatches, shared_critic=shared_critic)
   if shardings is None:
     return jax.jit(fn, donate_argnums=0)
   state, batch, inputs, metrics = shardings

@@ -45,7 +45,7 @@ LOCK_FILE = ".lock"
 # (start another run with `--init_from` to branch off with other settings).
 MUTABLE = ("num_updates", "eval.", "progress", "tensorboard", "checkpoint_every", "keep_checkpoints",
            "alarm.", "mesh.", "tasks.data_dir", "rollout.num_actors", "rollout.queue_size",
-           "model.remat")
+           "model.remat", "store.")  # keeping trajectories changes no update
 
 # Fields added after workdirs were made, with the value that reproduces how runs behaved before
 # them: a saved config without such a field resumes when the new value is this one.
@@ -63,7 +63,10 @@ ADDED_FIELDS: dict[str, Any] = {
     "algorithm.time_source": "latency", "algorithm.step_verifier": "",
     "algorithm.verifier_weight": 0.5, "rollout.record_oracle": False,
     "algorithm.part_weights": [1.0, 1.0, 1.0, 1.0], "curriculum.step_budgets": [],
-    "curriculum.grow_at": 0.5, "rollout.share_prompts": False,
+    "curriculum.grow_at": 0.5, "rollout.share_prompts": False, "rollout.recovery_groups": 0,
+    "rollout.recovery_from": "first_divergence", "rollout.recovery_capacity": 64,
+    "algorithm.critic": "separate",
+    "store.enabled": False, "store.keep": "all",
 }
 
 

@@ -1,0 +1,222 @@
+"""The credit-assignment study's report: intervals over seeds, paired differences against a
+baseline, sample efficiency, p against p^H, and first-error positions, from a horizon sweep's CSV
+files (`studies/horizon.py`).
+
+Every run of a cell `(env, N, seed)` starts from that seed's warm start, so methods are compared
+seed by seed: the paired difference `success(method) - success(baseline)` over the seeds removes
+the warm start's spread, which dominates the unpaired intervals at 5 seeds. Intervals are
+Student-t 95% intervals of the mean over seeds (`mean +- t_{0.975, n-1} s / sqrt(n)`).
+
+    rows, curves = horizon.read_results(out)
+    errors = read_first_errors(out)
+    print(success_table(rows, baseline="grpo"))
+    plot_paired_differences(rows, "grpo", path)
+    plot_first_errors(errors, path)
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from typing import Sequence
+
+import numpy as np
+
+from longhorizon.studies import horizon
+
+__all__ = ["t_quantile", "interval", "success_table", "efficiency_table", "first_error_table",
+           "read_first_errors", "plot_paired_differences", "plot_first_errors"]
+
+# t_{0.975, df} for df = 1..30 (two-sided 95%); df > 30 uses the normal 1.96 (within 2%).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t_quantile(df: int) -> float:
+  """The two-sided 95% Student-t quantile `t_{0.975, df}` (df >= 1)."""
+  if df < 1:
+    raise ValueError(f"t_quantile needs df >= 1 (at least two seeds), got {df}.")
+  return _T975[df - 1] if df <= len(_T975) else 1.96
+
+
+def interval(values) -> tuple[float, float]:
+  """`(mean, half-width of the 95% t-interval)` of `values` over seeds (half-width nan for one)."""
+  values = np.asarray(values, np.float64)
+  if len(values) < 2:
+    return float(values.mean()), float("nan")
+  half = t_quantile(len(values) - 1) * values.std(ddof=1) / math.sqrt(len(values))
+  return float(values.mean()), float(half)
+
+
+def _cells(rows) -> dict:
+  """`{(env, N): {algorithm: {seed: row}}}`."""
+  out: dict = {}
+  for r in rows:
+    out.setdefault((r["env"], int(r["horizon"])), {}).setdefault(r["algorithm"], {})[
+        int(r["seed"])] = r
+  return out
+
+
+def _rank(name: str) -> tuple:
+  """Sort key of a method: its place in `horizon.ALGORITHMS`, then its name."""
+  return (list(horizon.ALGORITHMS).index(name) if name in horizon.ALGORITHMS else 99, name)
+
+
+def _order(names) -> list[str]:
+  return sorted(names, key=_rank)
+
+
+_subplots = horizon._subplots  # pylint: disable=protected-access  (the pyplot-free figure)
+
+
+def _fmt(mean: float, half: float) -> str:
+  return f"{mean:.3f} ± {half:.3f}" if not math.isnan(half) else f"{mean:.3f}"
+
+
+def success_table(rows: Sequence[dict], baseline: str = "grpo") -> str:
+  """Markdown: per cell and method, the final sampled success (95% interval over seeds), the
+  paired difference to `baseline` on the seeds both ran (95% interval; **bold** where the interval
+  excludes 0), seeds better than the baseline, the greedy success, step accuracy p and p^H."""
+  lines = [f"| env | N | method | seeds | final success | - {baseline} (paired) | seeds above | "
+           "greedy | step acc. p | p^H |", "|---|---|---|---|---|---|---|---|---|---|"]
+  for (env, n), methods in sorted(_cells(rows).items()):
+    base = methods.get(baseline, {})
+    warm = [r["warm_success"] for r in next(iter(methods.values())).values()]
+    lines.append(f"| {env} | {n} | warm start | {len(warm)} | {_fmt(*interval(warm))} | | | | | |")
+    for name in _order(methods):
+      runs = methods[name]
+      seeds = sorted(runs)
+      success = [runs[s]["final_success"] for s in seeds]
+      paired = [runs[s]["final_success"] - base[s]["final_success"] for s in seeds if s in base]
+      diff = ""
+      if name != baseline and len(paired) >= 2:
+        mean, half = interval(paired)
+        diff = _fmt(mean, half)
+        if abs(mean) > half:
+          diff = f"**{diff}**"
+      above = (f"{sum(d > 0 for d in paired)}/{len(paired)}" if name != baseline and paired
+               else "")
+      col = lambda k: _fmt(*interval([runs[s][k] for s in seeds]))
+      lines.append(f"| {env} | {n} | {name} | {len(seeds)} | {_fmt(*interval(success))} | {diff} |"
+                   f" {above} | {col('final_greedy_success')} | {col('final_step_accuracy')} | "
+                   f"{np.mean([runs[s]['final_predicted'] for s in seeds]):.3f} |")
+  return "\n".join(lines)
+
+
+def efficiency_table(rows: Sequence[dict]) -> str:
+  """Markdown: per cell and method, success gained over the warm start per 1k episodes and per
+  1M tokens (95% intervals over seeds), with the episodes and mean tokens per run."""
+  lines = ["| env | N | method | episodes / run | tokens / run | gain / 1k episodes | "
+           "gain / 1M tokens |", "|---|---|---|---|---|---|---|"]
+  for (env, n), methods in sorted(_cells(rows).items()):
+    for name in _order(methods):
+      runs = list(methods[name].values())
+      lines.append(
+          f"| {env} | {n} | {name} | {runs[0]['episodes']} | "
+          f"{np.mean([r['tokens'] for r in runs]):,.0f} | "
+          f"{_fmt(*interval([r['gain_per_1k_episodes'] for r in runs]))} | "
+          f"{_fmt(*interval([r['gain_per_1m_tokens'] for r in runs]))} |")
+  return "\n".join(lines)
+
+
+def read_first_errors(out_dir: str) -> list[dict]:
+  """The rows of `out_dir/first_errors.csv` with `by_step` as a float array (empty if absent);
+  of a run's rows written twice (a resumed run), the last."""
+  path = os.path.join(out_dir, "first_errors.csv")
+  if not os.path.exists(path):
+    return []
+  rows: dict = {}
+  with open(path, newline="") as f:
+    for r in csv.DictReader(f):
+      r = dict(r, horizon=int(r["horizon"]), seed=int(r["seed"]), update=int(r["update"]),
+               rate=float(r["rate"]), by_step=np.array(r["by_step"].split(), np.float64))
+      rows[(r["env"], r["horizon"], r["algorithm"], r["seed"], r["update"])] = r
+  return list(rows.values())
+
+
+def _error_phases(errors, num_updates: int) -> dict:
+  """`{(env, N, method): {phase: mean first-error distribution}}` for the first and last third of
+  training (phase "early" / "late"), averaged over updates and seeds."""
+  third = max(num_updates // 3, 1)
+  out: dict = {}
+  for r in errors:
+    phase = ("early" if r["update"] <= third else "late" if r["update"] > num_updates - third
+             else None)
+    if phase is not None:
+      out.setdefault((r["env"], r["horizon"], r["algorithm"]), {}).setdefault(
+          phase, []).append(r["by_step"])
+  def mean(dists):  # updates without an erring episode have no distribution; pad to one width
+    dists = [d for d in dists if len(d)]
+    width = max((len(d) for d in dists), default=0)
+    return np.mean([np.pad(d, (0, width - len(d))) for d in dists], 0) if dists else np.zeros(0)
+
+  return {k: {p: mean(v) for p, v in phases.items()} for k, phases in out.items()}
+
+
+def first_error_table(errors: Sequence[dict], num_updates: int) -> str:
+  """Markdown: where training episodes first left the oracle's path, early and late in training
+  (first / last third of the updates): the fraction at the first step, at the final (answer)
+  step, and the mean first-error step."""
+  lines = ["| env | N | method | phase | at first step | at last step | mean step |",
+           "|---|---|---|---|---|---|---|"]
+  for (env, n, name), phases in sorted(_error_phases(errors, num_updates).items(),
+                                       key=lambda kv: (kv[0][0], kv[0][1], _rank(kv[0][2]))):
+    for phase in ("early", "late"):
+      if phase in phases and len(phases[phase]):
+        dist = phases[phase]
+        used = np.flatnonzero(dist > 0)
+        last = int(used[-1]) if len(used) else 0
+        mean = float((dist * np.arange(len(dist))).sum() / max(dist.sum(), 1e-12))
+        lines.append(f"| {env} | {n} | {name} | {phase} | {dist[0]:.3f} | {dist[last]:.3f} "
+                     f"(step {last}) | {mean:.2f} |")
+  return "\n".join(lines)
+
+
+def plot_paired_differences(rows: Sequence[dict], baseline: str, path: str) -> str:
+  """Per cell, each method's paired difference to `baseline` (95% interval), one panel per cell."""
+  cells = sorted(_cells(rows).items())
+  fig, axes = _subplots(1, len(cells), (5.5 * len(cells), 4.5))
+  for ax, ((env, n), methods) in zip(axes[0], cells):
+    base = methods.get(baseline, {})
+    names = [m for m in _order(methods) if m != baseline]
+    for y, name in enumerate(names):
+      paired = [r["final_success"] - base[s]["final_success"]
+                for s, r in methods[name].items() if s in base]
+      if len(paired) >= 2:
+        mean, half = interval(paired)
+        ax.errorbar(mean, y, xerr=half, fmt="o", capsize=3,
+                    color="tab:green" if mean - half > 0 else
+                    "tab:red" if mean + half < 0 else "tab:gray")
+        ax.plot(paired, [y] * len(paired), "k.", ms=3, alpha=0.5)
+    ax.axvline(0, color="black", lw=0.8)
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.set_xlabel(f"final success - {baseline} (same seed)")
+    ax.set_title(f"{env} N={n}: paired difference, 95% t-interval")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  return path
+
+
+def plot_first_errors(errors: Sequence[dict], num_updates: int, path: str) -> str:
+  """The distribution of first-error steps early and late in training, per cell and method."""
+  phases = _error_phases(errors, num_updates)
+  cells = sorted({(env, n) for env, n, _ in phases})
+  fig, axes = _subplots(2, len(cells), (5.5 * len(cells), 7))
+  for col, cell in enumerate(cells):
+    names = _order([m for e, n, m in phases if (e, n) == cell])
+    for row, phase in enumerate(("early", "late")):
+      ax = axes[row][col]
+      for name in names:
+        dist = phases[cell + (name,)].get(phase)
+        if dist is not None and len(dist):
+          ax.plot(np.arange(len(dist)), dist, marker=".", label=name)
+      ax.set_title(f"{cell[0]} N={cell[1]}: {phase} training")
+      ax.set_xlabel("first step whose action differs from the oracle's")
+      ax.set_ylabel("fraction of erring episodes")
+      if row == 0 and col == 0:
+        ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  return path
