@@ -21,7 +21,8 @@ import ml_collections
 from longhorizon.envs import RewardSpec
 from longhorizon.models import sharding
 from longhorizon.train.algorithms import AlgorithmOptions
-from longhorizon.train.options import OptimOptions, PoolOptions, RolloutOptions, as_config
+from longhorizon.train.options import (OptimOptions, PoolOptions, PreferenceOptions,
+                                       RolloutOptions, as_config)
 from longhorizon.train.policy_losses import LossOptions
 
 
@@ -120,6 +121,11 @@ def get_config(arg=None):
   config.sft.minibatches = 2
 
   # Evaluation (sampled at the rollout temperature, plus greedy).
+  # Trajectory DPO between the warm start and RL (`longhorizon.train.options.PreferenceOptions`,
+  # train/preference.py): dpo.steps passes over preference pairs of dpo.tasks x dpo.group_size
+  # episodes sampled with the warm-started policy (0 = no DPO stage). configs/sft_dpo_rl.py uses it.
+  config.dpo = as_config(PreferenceOptions)
+
   config.eval = ml_collections.ConfigDict()
   config.eval.num_tasks = 128
   config.eval.split = "test"

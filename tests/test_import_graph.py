@@ -384,7 +384,7 @@ def test_model_and_environment_meet_only_where_a_run_is_built():
 
 # Every driver (sync loop, async pipeline, studies, notebooks) trains through the one learner
 # (`train/learner.py`); only it and the module defining them call the update functions.
-UPDATE_FUNCTIONS = {"rl_update", "jit_rl_update", "sft_update", "compute_advantages"}
+UPDATE_FUNCTIONS = {"rl_update", "jit_rl_update", "sft_update", "dpo_update", "compute_advantages"}
 UPDATE_OWNERS = {"longhorizon.train.update", "longhorizon.train.learner",
                  "longhorizon.train.algorithms"}
 

@@ -2,7 +2,7 @@
 
 `validate(config)` checks every field and raises `ConfigError` naming the field, the value and what
 is allowed. The sections with a typed options class (`algorithm`, `loss`, `rollout`, `optim`,
-`reward`) are checked by building it (`SPECS`: each validates itself, its choices coming from the
+`pool`, `dpo`) are checked by building it (`SPECS`: each validates itself, its choices coming from the
 registries); the other fields by `RANGES` and the cross-field rules below. Library code never reads
 flags: the launcher parses the config, validates it and passes it down.
 """
@@ -25,8 +25,8 @@ from longhorizon.train.algorithms import ALGORITHMS, AlgorithmOptions
 from longhorizon.train.options import (COUNT as _COUNT, NON_NEGATIVE as _NON_NEGATIVE,
                                        NON_NEGATIVE_INT as _NON_NEGATIVE_INT,
                                        POSITIVE as _POSITIVE, PROBABILITY as _PROBABILITY,
-                                       ConfigError, OptimOptions, Options, PoolOptions, Range,
-                                       RolloutOptions,
+                                       ConfigError, OptimOptions, Options, PoolOptions,
+                                       PreferenceOptions, Range, RolloutOptions,
                                        fail as _fail, section_ranges)
 from longhorizon.train.policy_losses import LossOptions
 
@@ -34,7 +34,7 @@ __all__ = ["ConfigError", "RANGES", "Range", "SPECS", "set_path", "validate"]
 
 # The typed options of a run, each built from its config section (`Options.from_config`).
 SPECS: tuple[type[Options], ...] = (AlgorithmOptions, LossOptions, RolloutOptions, OptimOptions,
-                                    PoolOptions)
+                                    PoolOptions, PreferenceOptions)
 
 _CHOICES = {
     "env.style": STYLES,

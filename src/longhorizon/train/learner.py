@@ -44,6 +44,7 @@ import numpy as np
 from longhorizon import envs
 from longhorizon import rollout
 from longhorizon.core import episode as episode_lib
+from longhorizon.core import preference
 from longhorizon.core.episode import Termination, to_device
 from longhorizon.envs import tasks as task_suites
 from longhorizon.models import (Critic, ModelConfig, PolicyWithValue, Transformer, init_params,
@@ -56,7 +57,7 @@ from longhorizon.envs import pool as pool_lib
 from longhorizon.train.options import OptimOptions, PoolOptions, RolloutOptions
 from longhorizon.train.policy_losses import LossOptions
 from longhorizon.train.update import (LearnInputs, TrainState, critic_values, episode_logprobs,
-                                      jit_rl_update, make_optimizer, sft_update)
+                                      dpo_update, jit_rl_update, make_optimizer, sft_update)
 
 __all__ = ["Learner", "key", "make_env", "check_process_split", "episode_metrics"]
 
@@ -553,6 +554,33 @@ class Learner:
     metrics = {k: float(v) for k, v in metrics.items()}
     # `sft_update` donated `sft_state` (and the buffers it shared with `state`): continue from it.
     return sft_state.replace(opt_state=self.init_opt_state(sft_state.params)), metrics
+
+  def dpo(self, state: TrainState, batch, pairs, opts) -> tuple[TrainState, dict]:
+    """`opts.steps` passes of `dpo_update` (`PreferenceOptions` `opts`) over the preference `pairs`
+    (`core.preference.Pairs`) of the host `batch`, from `state`'s policy, which is also the
+    reference: its summed log-probs of each pair's scored tokens are computed once here, so no
+    second copy of the weights is kept. Returns `(state, last pass's metrics)`; the RL optimiser
+    state starts afresh after it."""
+    chosen_mask, rejected_mask = preference.pair_masks(batch, pairs, opts.level)
+    rows = np.concatenate([pairs.chosen, pairs.rejected])
+    db = to_device(self.trimmed(jax.tree.map(lambda a: np.asarray(a)[rows], batch)))
+    masks = np.concatenate([chosen_mask, rejected_mask])[:, :db.tokens.shape[1]]
+    ref = np.sum(np.asarray(self.logprobs(state.params, db)) * masks, axis=-1)
+    optimizer = make_optimizer(opts.learning_rate, max_grad_norm=self.optim.max_grad_norm)
+    state = state.replace(opt_state=self.init_opt_state(state.params, optimizer))
+    metrics, every = {}, max(1, opts.steps // 5)
+    for step in range(1, opts.steps + 1):
+      state, metrics = dpo_update(state, db, masks, ref, config=self.model_config,
+                                  optimizer=optimizer, beta=opts.beta,
+                                  label_smoothing=opts.label_smoothing,
+                                  sft_weight=opts.sft_weight, minibatches=opts.minibatches, temperature=self.rollout.temperature)
+      jax.block_until_ready(state)  # one step in flight (see `warm_start`)
+      if step % every == 0 or step == opts.steps:
+        logging.info("DPO pass %d/%d: loss %.4f, margin %.3f, pair accuracy %.2f.", step,
+                     opts.steps, float(metrics["dpo_loss"]), float(metrics["dpo_margin"]),
+                     float(metrics["dpo_accuracy"]))
+    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    return state.replace(opt_state=self.init_opt_state(state.params)), metrics
 
   def evaluate(self, params, split: str, num_tasks: int, *, temperature: float, seed: int,
                group_size: int = 1) -> dict:

@@ -57,6 +57,7 @@ from longhorizon.train.curriculum import (Curriculum, HorizonCurriculum, bucket_
                                           draw_tasks)
 from longhorizon.train.learner import Learner
 from longhorizon.train.metrics import MetricsWriter, Progress, Timer, read_metrics
+from longhorizon.train.preference import preference_stage
 from longhorizon.train.update import TrainState
 
 __all__ = ["train_and_evaluate", "eval_seed", "new_run", "start_from", "trajectory_store",
@@ -164,19 +165,32 @@ def train_and_evaluate(config, workdir: str, *, hook=None, init_from: str | None
       return _train_and_evaluate(s, config, workdir, hook=hook, init_from=init_from)
 
 
-def new_run(s: Learner, state: TrainState, config) -> tuple[TrainState, dict]:
-  """The warm start of a new run: SFT on oracle episodes, then its evaluation. `(state, meta)`."""
+def new_run(s: Learner, state: TrainState, config, workdir: str | None = None
+            ) -> tuple[TrainState, dict]:
+  """The start of a new run: SFT on oracle episodes and its evaluation, then with `config.dpo.steps`
+  the DPO stage (`train/preference.py`, its episodes in `<workdir>/trajectories/`) and its
+  evaluation. `(state, meta)`; the KL reference is the policy RL starts from."""
   logging.info("New run: warm start by SFT for %d steps on %d oracle episodes.", config.sft.steps,
                config.sft.episodes)
   state, sft_metrics = s.warm_start(state)
-  state = s.with_reference(state)
   warm = _evaluate_both(s, state.params, eval_seed(config), full=True)
   # RL tasks start after the SFT tasks, so the first updates do not replay the demonstrations.
-  meta = {"update": 0, "data_position": config.sft.episodes if config.sft.steps else 0,
-          "warm_start": warm, "sft": sft_metrics}
+  position = config.sft.episodes if config.sft.steps else 0
+  meta = {"update": 0, "warm_start": warm, "sft": sft_metrics}
   logging.info("Warm start: sampled success %.3f, greedy %s.", warm["success_rate"],
                _rate(warm["greedy_success_rate"]))
-  return state, meta
+  if config.get("dpo") and config.dpo.steps:
+    if workdir is None:
+      raise ValueError("new_run: the DPO stage (dpo.steps > 0) needs the run's workdir (its "
+                       "trajectory store).")
+    state, info, position = preference_stage(s, state, os.path.join(workdir, STORE_DIR), position)
+    info["evaluation"] = _evaluate_both(s, state.params, eval_seed(config), full=True)
+    meta["dpo"] = info
+    logging.info("After DPO (%d pairs): sampled success %.3f, greedy %s.", info["pairs_used"],
+                 info["evaluation"]["success_rate"],
+                 _rate(info["evaluation"]["greedy_success_rate"]))
+  meta["data_position"] = position
+  return s.with_reference(state), meta
 
 
 # Fields that decide the policy's parameter shapes and vocabulary: a run started from another run's
@@ -387,7 +401,7 @@ def _start_or_resume(s: Learner, config, workdir: str, checkpointer: Checkpointe
     return state, meta
   workdir_lib.save_config(workdir, config, 0)
   if init_from is None:
-    state, meta = new_run(s, state, config)
+    state, meta = new_run(s, state, config, workdir)
   else:
     state, meta = start_from(s, state, init_from)
     if jax.process_index() == 0:
@@ -411,14 +425,29 @@ def _final_evaluation(s: Learner, config, workdir: str, params, meta: dict) -> d
                  "attempts_per_task": config.eval.k, "temperature": config.rollout.temperature,
                  "num_updates": config.num_updates, "env": config.env.name,
                  "algorithm": config.algorithm.name, "init_from": meta.get("init_from"),
-                 "provenance": provenance()})
+                 "training_episodes": _episodes(config, meta), "provenance": provenance()})
+  if meta.get("dpo"):
+    dpo = meta["dpo"]
+    result.update({"dpo_success_rate": dpo["evaluation"]["success_rate"],
+                   "dpo_greedy_success_rate": dpo["evaluation"]["greedy_success_rate"],
+                   "dpo": {k: v for k, v in dpo.items() if k != "evaluation"}})
   if jax.process_index() == 0:
     with open(os.path.join(workdir, "eval.json"), "w") as f:
       json.dump(result, f, indent=2, sort_keys=True)
     plot_learning_curve(workdir, result)
-    metrics_lib.plot_report([("warm start", warm), ("final", final)],
+    stages = [("warm start", warm)] + ([("DPO", meta["dpo"]["evaluation"])] if meta.get("dpo")
+                                       else []) + [("final", final)]
+    metrics_lib.plot_report(stages,
                             os.path.join(workdir, "eval.png"))
   return result
+
+
+def _episodes(config, meta: dict) -> dict:
+  """The episodes each stage of the run sampled (SFT demonstrations, DPO, RL), and their total."""
+  out = {"sft": config.sft.episodes if config.sft.steps else 0,
+         "dpo": int(meta.get("dpo", {}).get("episodes", 0)),
+         "rl": config.num_updates * config.rollout.num_tasks * config.rollout.group_size}
+  return dict(out, sampled=out["dpo"] + out["rl"])
 
 
 def plot_learning_curve(workdir: str, result: dict) -> str:

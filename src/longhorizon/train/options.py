@@ -19,9 +19,11 @@ from typing import Any, Callable, ClassVar, Sequence
 
 import ml_collections
 
+from longhorizon.core.preference import PAIR_LEVELS
 from longhorizon.rollout import BRANCH_POINTS, RECOVERY_FROM, RolloutConfig
+from longhorizon.rollout.store import KEEP
 
-__all__ = ["ConfigError", "Range", "Options", "RolloutOptions", "OptimOptions", "PoolOptions",
+__all__ = ["ConfigError", "Range", "Options", "RolloutOptions", "OptimOptions", "PoolOptions", "PreferenceOptions",
            "option", "fail",
            "as_config", "section_ranges", "COUNT",
            "NON_NEGATIVE_INT", "NON_NEGATIVE", "POSITIVE", "PROBABILITY", "DISCOUNT"]
@@ -272,3 +274,31 @@ class OptimOptions(Options):
   # rollout.context_length that holds their longest episode (at most this many compiled shapes of
   # each step; padding is most of a batch when episodes are short). 0 = always the full length.
   length_buckets: int = option(4, range=NON_NEGATIVE_INT)
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceOptions(Options):
+  """The DPO stage between the SFT warm start and RL (`config.dpo`; `train/preference.py`)."""
+  SECTION = "dpo"
+  steps: int = option(0, range=Range(int, 0, note="passes over the pairs; 0 = no DPO stage"))
+  tasks: int = option(64, range=COUNT)  # train tasks sampled for preference data
+  group_size: int = option(8, range=Range(int, 2))  # rollouts per task
+  branch_k: int = option(0, range=NON_NEGATIVE_INT)  # sibling branches per root (0 = plain groups)
+  branch_at: str = option("uniform", choices=lambda: sorted(BRANCH_POINTS))
+  level: str = option("trajectory", choices=PAIR_LEVELS)
+  beta: float = option(0.1, range=POSITIVE)
+  label_smoothing: float = option(0.0, range=Range(float, 0, 0.5, high_open=True))
+  # weight of the chosen episodes' per-token NLL added to the DPO loss (RPO; 0 = plain DPO)
+  sft_weight: float = option(0.0, range=NON_NEGATIVE)
+  min_gap: float = option(0.0, range=NON_NEGATIVE)  # a pair's scores differ by more than this
+  learning_rate: float = option(1e-4, range=POSITIVE)
+  minibatches: int = option(1, range=COUNT)
+  store: str = ""  # read pairs from this store directory instead of sampling ("" = sample)
+  # store filters applied on reading ("all": a timeout is a failure worth preferring against;
+  # env-error episodes never enter a pair either way)
+  keep: str = option("all", choices=lambda: sorted(KEEP))
+
+  def check(self):
+    if self.group_size % (1 + self.branch_k):
+      fail("dpo.branch_k", self.branch_k, f"a value with branch_k + 1 dividing "
+           f"dpo.group_size={self.group_size}")

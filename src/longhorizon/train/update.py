@@ -1,4 +1,4 @@
-"""Train state, token log-probs of episodes, and the RL and SFT updates.
+"""Train state, token log-probs of episodes, and the RL, SFT and DPO updates.
 
 `rl_update` runs `epochs x minibatches` optimiser steps on one batch in a `lax.scan` (minibatch
 order drawn from the state's rng); `jit_rl_update(...)` jits it with its static parts closed over
@@ -46,13 +46,14 @@ import optax
 
 from longhorizon.core import logprobs as lp
 from longhorizon.core import losses
+from longhorizon.core import preference
 from longhorizon.core.episode import EpisodeBatch
 from longhorizon.models import (Critic, ModelConfig, PolicyWithValue, Transformer, lora,
                                 unembedding)
 from longhorizon.train.policy_losses import LossOptions
 
 __all__ = ["TrainState", "LearnInputs", "make_optimizer", "episode_logprobs", "rl_update",
-           "jit_rl_update", "sft_update", "critic_values"]
+           "jit_rl_update", "sft_update", "dpo_update", "critic_values"]
 
 
 @flax.struct.dataclass
@@ -374,5 +375,55 @@ def sft_update(state: TrainState, batch: EpisodeBatch, *, config: ModelConfig, o
 
   rng, key = jax.random.split(state.rng)
   order = jax.random.permutation(key, b).reshape(minibatches, b // minibatches)
+  state, metrics = jax.lax.scan(step, state, (order, _dropout_keys(key, minibatches, config)))
+  return state.replace(rng=rng), jax.tree.map(jnp.mean, metrics)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "optimizer", "beta", "label_smoothing",
+                                             "sft_weight", "minibatches", "temperature"),
+                   donate_argnames=("state",))
+def dpo_update(state: TrainState, batch: EpisodeBatch, masks, ref_logp, *, config: ModelConfig,
+               optimizer, beta: float, label_smoothing: float = 0.0, sft_weight: float = 0.0,
+               minibatches: int = 1, temperature: float = 1.0):
+  """One pass of DPO over `P` preference pairs in `minibatches` optimiser steps (pair order drawn
+  from the state's rng). Returns `(state, metrics)`.
+
+  `batch` holds `2P` rows, the chosen episodes then the rejected ones (pair `i` is rows `i` and
+  `P + i`); `masks` `[2P, L]` are the tokens each row is scored on (`core.preference.pair_masks`);
+  `ref_logp` `[2P]` the reference policy's summed log-probs of those tokens. The loss is the mean
+  over a minibatch's pairs of `core.preference.dpo_loss` plus `sft_weight` times the chosen
+  episode's mean negative log-likelihood per scored token (RPO, Pang et al. 2024: DPO alone can
+  lower the chosen episodes' likelihood too, only less than the rejected ones')."""
+  p = batch.tokens.shape[0] // 2
+  masks = jnp.asarray(masks, jnp.float32)
+
+  def loss_fn(trainable, frozen, mb, mb_masks, ref, dropout_rng):
+    logp = episode_logprobs(lora.combine(trainable, frozen), config, mb, temperature=temperature,
+                            dropout_rng=dropout_rng)
+    seq = jnp.sum(logp * mb_masks, axis=-1)
+    n = seq.shape[0] // 2
+    loss, margin = preference.dpo_loss(seq[:n], seq[n:], ref[:n], ref[n:], beta=beta,
+                                       label_smoothing=label_smoothing)
+    nll = -jnp.mean(seq[:n] / jnp.maximum(jnp.sum(mb_masks[:n], axis=-1), 1.0))
+    total = jnp.mean(loss) + sft_weight * nll
+    return total, {"dpo_loss": jnp.mean(loss), "dpo_margin": jnp.mean(margin), "dpo_nll": nll,
+                            "dpo_accuracy": jnp.mean((margin > 0).astype(jnp.float32)),
+                            "dpo_chosen_logratio": jnp.mean(seq[:n] - ref[:n]),
+                            "dpo_rejected_logratio": jnp.mean(seq[n:] - ref[n:])}
+
+  def step(state, xs):
+    pairs, dropout_rng = xs
+    rows = jnp.concatenate([pairs, pairs + p])
+    trainable, frozen = lora.partition(state.params, config)
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        trainable, frozen, _slice_rows(batch, rows), masks[rows], ref_logp[rows], dropout_rng)
+    ok = jnp.isfinite(loss) & _finite(grads)
+    trainable, opt_state = _apply(optimizer, trainable, state.opt_state, grads, ok)
+    state = state.replace(params=lora.combine(trainable, frozen), opt_state=opt_state,
+                          step=state.step + 1, skipped=state.skipped + (~ok).astype(jnp.int32))
+    return state, dict(metrics, loss=loss, grad_norm=_norm(grads))
+
+  rng, key = jax.random.split(state.rng)
+  order = jax.random.permutation(key, p).reshape(minibatches, p // minibatches)
   state, metrics = jax.lax.scan(step, state, (order, _dropout_keys(key, minibatches, config)))
   return state.replace(rng=rng), jax.tree.map(jnp.mean, metrics)
