@@ -119,6 +119,9 @@ def get_config(arg=None):
   config.sft.demo_epsilon = 0.2  # noisy demonstrator: a random action instead of the oracle's
   config.sft.learning_rate = 3e-3
   config.sft.minibatches = 2
+  # "" = the oracle demonstrator above; a trajectory store (e.g. another run's
+  # <workdir>/trajectories) = SFT on its newest sft.episodes distinct successful episodes
+  config.sft.store = ""
 
   # Evaluation (sampled at the rollout temperature, plus greedy).
   # Trajectory DPO between the warm start and RL (`longhorizon.train.options.PreferenceOptions`,

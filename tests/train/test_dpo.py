@@ -1,5 +1,5 @@
 """Trajectory DPO: the jitted update against a NumPy reference, and the stage between the SFT warm
-start and RL (`train/preference.py`) with its store, resume and `eval.json`."""
+start and RL (`train/preference.py`) with its store, resume and `eval.json`; SFT from a store."""
 
 import json
 import math
@@ -12,10 +12,10 @@ import pytest
 from longhorizon import rollout
 from longhorizon.envs import testing
 from longhorizon.core import preference
-from longhorizon.rollout.store import TrajectoryStore
+from longhorizon.rollout.store import StoreError, TrajectoryStore
 from longhorizon.train import loop
 from longhorizon.train import preference as stage
-from longhorizon.train.learner import Learner
+from longhorizon.train.learner import Learner, stored_demonstrations
 from longhorizon.train.update import TrainState, dpo_update, episode_logprobs, make_optimizer
 
 MAX_STEPS = 4
@@ -141,3 +141,25 @@ def test_stage_samples_once_into_the_runs_store(tmp_path, smoke_config):
   _, again, position = stage.preference_stage(s, s.initial_state(), str(store_dir), 16)
   assert position == 20 and len(TrajectoryStore(store_dir).files()) == 1
   assert again["stored_episodes"] == info["stored_episodes"] == 8
+
+
+def test_sft_reads_the_newest_distinct_successes_of_a_store(tmp_path, smoke_config):
+  config = smoke_config(tmp_path, **{"sft.store": str(tmp_path / "demos"), "sft.episodes": 4,
+                                     "sft.steps": 6, "sft.minibatches": 1})
+  s = Learner.build(config)
+  demos = _demo_store(s, tmp_path / "demos")
+  store = TrajectoryStore(tmp_path / "demos")
+  want = store.rows(dedup=True)
+  want = want.take(want.success & (want.termination == 1))
+  assert len(want) >= 4 and (want.update == 4).all()  # dedup keeps the second copy of each
+  batch = stored_demonstrations(str(tmp_path / "demos"), 4, config.rollout.context_length,
+                                config.env.max_steps)
+  assert batch.success.all() and batch.batch_size == 4
+  tail = store.load(want.take(np.arange(len(want) - 4, len(want))))
+  np.testing.assert_array_equal(batch.tokens[:, :tail.tokens.shape[1]], tail.tokens)
+  assert batch.tokens.shape[1] == config.rollout.context_length
+  with pytest.raises(StoreError, match=r"distinct valid successful episode\(s\) stored"):
+    stored_demonstrations(str(tmp_path / "demos"), int(demos.success.sum()) + 1, 160, 6)
+  nll = []
+  s.warm_start(s.initial_state(), on_step=lambda step, params, m: nll.append(float(m["sft_nll"])))
+  assert len(nll) == 6 and nll[-1] < nll[0] - 0.5

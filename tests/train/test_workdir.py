@@ -117,7 +117,7 @@ def test_fields_added_since_a_run_started_resume_at_their_old_behaviour(tmp_path
   del saved["rollout"]["share_prompts"]
   for name in ("recovery_groups", "recovery_from", "recovery_capacity"):
     del saved["rollout"][name]
-  del saved["store"], saved["dpo"]
+  del saved["store"], saved["dpo"], saved["sft"]["store"]
   (tmp_path / "config.json").write_text(json.dumps(saved))
   changes = workdir_lib.check_config(work, _config(), resuming=True)
   assert changes["model.moe.num_experts"] == ("<missing>", 0)

@@ -88,7 +88,7 @@ RANGES: dict[str, Range] = {
 # (the typed sections' ranges, from their options classes, for the range tests and docs)
 RANGES.update({path: r for spec in SPECS for path, r in section_ranges(spec).items()})
 _BOOLS = ("tensorboard", "progress", "model.moe.replay", "eval.greedy", "store.enabled")
-_STRINGS = ("env.name", "model.checkpoint", "model.family", "tasks.data_dir")
+_STRINGS = ("env.name", "model.checkpoint", "model.family", "tasks.data_dir", "sft.store")
 _MAPPINGS = ("env.params", "env.faults", "env.tool_costs")
 
 

@@ -50,6 +50,7 @@ from longhorizon.envs import tasks as task_suites
 from longhorizon.models import (Critic, ModelConfig, PolicyWithValue, Transformer, init_params,
                                 lora, sharding, tiny_config)
 from longhorizon.models import checkpoint as checkpoint_lib
+from longhorizon.rollout.store import KEEP, StoreError, TrajectoryStore
 from longhorizon.train import config as config_lib
 from longhorizon.train.algorithms import AlgorithmOptions, compute_advantages
 from longhorizon.train.metrics import Timer
@@ -59,7 +60,8 @@ from longhorizon.train.policy_losses import LossOptions
 from longhorizon.train.update import (LearnInputs, TrainState, critic_values, episode_logprobs,
                                       dpo_update, jit_rl_update, make_optimizer, sft_update)
 
-__all__ = ["Learner", "key", "make_env", "check_process_split", "episode_metrics"]
+__all__ = ["Learner", "key", "make_env", "check_process_split", "episode_metrics",
+           "stored_demonstrations"]
 
 
 def key(seed: int, *path: int) -> jax.Array:
@@ -513,7 +515,9 @@ class Learner:
 
   # ---------------------------------------------------------------------- warm start, evaluation
   def warm_start(self, state: TrainState, on_step=None) -> tuple[TrainState, dict]:
-    """SFT on oracle episodes of train tasks (the same masks as RL), from `state`'s parameters.
+    """SFT on oracle episodes of train tasks (the same masks as RL), from `state`'s parameters;
+    with `sft.store` a trajectory store, on its newest successful episodes instead
+    (`stored_demonstrations`).
 
     `on_step(step, params, metrics)`, if given, is called after every step (step 1..sft.steps)
     with the current parameters (not donated until the next step returns): how a calibration
@@ -523,16 +527,19 @@ class Learner:
       return state, {}
     n = c.sft.episodes
     start = time.perf_counter()
-    batch, _ = rollout.collect(
-        None, None, self.env, self.codec, self.tasks_at(0, n),
-        jax.random.split(key(c.seed, 4), n),
-        self.rollout.collect_config(c.env.max_steps, group_size=1), sampling_seed=0,
-        scripted=rollout.oracle_turns(self.env, self.codec, c.sft.demo_epsilon, seed=c.seed))
+    if c.sft.get("store"):
+      batch = stored_demonstrations(c.sft.store, n, c.rollout.context_length, c.env.max_steps)
+    else:
+      batch, _ = rollout.collect(
+          None, None, self.env, self.codec, self.tasks_at(0, n),
+          jax.random.split(key(c.seed, 4), n),
+          self.rollout.collect_config(c.env.max_steps, group_size=1), sampling_seed=0,
+          scripted=rollout.oracle_turns(self.env, self.codec, c.sft.demo_epsilon, seed=c.seed))
     logging.info("SFT: %d demonstration episodes in %.1f s (success %.2f, %.1f steps and %.0f "
                  "tokens each).", n, time.perf_counter() - start, float(batch.success.mean()),
                  float(np.mean(batch.num_steps)),
                  float(np.asarray(batch.attention_mask).sum(-1).mean()))
-    if not c.sft.demo_epsilon and not batch.success.all():
+    if not c.sft.get("store") and not c.sft.demo_epsilon and not batch.success.all():
       logging.warning("oracle SFT episodes: only %.2f succeed (context budget, turn budget "
                       "rollout.turn_tokens or step limit too small?)", float(batch.success.mean()))
     batch = to_device(self.trimmed(batch))
@@ -597,6 +604,22 @@ class Learner:
             "mean_steps": float(np.mean(batch.num_steps)),
             "truncation_rate": float(np.mean(batch.truncated)),
             "env_error_rate": float(np.mean(np.asarray(batch.env_error).any(-1)))}
+
+
+def stored_demonstrations(path: str, n: int, context_length: int, max_steps: int):
+  """The newest `n` distinct successful episodes of the trajectory store at `path` (no
+  environment error, truncation or parse failure; one per canonical action sequence), as one host
+  EpisodeBatch padded to `context_length` x `max_steps`: SFT data from earlier runs (rejection
+  sampling). Each row trains on its own `loss_mask` (a branch row's copied prefix is its parent's).
+  Raises `StoreError` naming the count when the store holds fewer."""
+  store = TrajectoryStore(path)
+  rows = store.rows(filters=KEEP["valid"], dedup=True)
+  rows = rows.take(rows.success)
+  if len(rows) < n:
+    raise StoreError(f"sft.store={path!r}: {len(rows)} distinct valid successful episode(s) "
+                     f"stored ({len(store)} in all), sft.episodes={n} asked for.")
+  return store.load(rows.take(np.arange(len(rows) - n, len(rows))),
+                    context_length=context_length, max_steps=max_steps)
 
 
 def episode_metrics(batch, row_weight) -> dict:
