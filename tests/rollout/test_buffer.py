@@ -1,6 +1,8 @@
-"""`EpisodeBuffer`: a two-row episode written by hand, checked position by position."""
+"""`EpisodeBuffer`: a two-row episode written by hand, checked position by position; buffers
+concatenated row-wise, and refused when they do not fit together."""
 
 import numpy as np
+import pytest
 
 from longhorizon.core.episode import Termination
 from longhorizon.envs.types import ErrorCode, TimeStep
@@ -83,3 +85,53 @@ def test_how_a_step_ends_an_episode_by_priority():
   np.testing.assert_array_equal(out.terminated, [False, True, True, True, False])
   np.testing.assert_array_equal(out.truncated, [True, False, False, False, True])
   np.testing.assert_array_equal(out.success, [True, False, True, False, False])
+
+
+def test_concat_holds_each_buffers_rows_in_order():
+  first = EpisodeBuffer.start([[7, 8], [5]], context_length=4, max_steps=2,
+                              anchor=np.array([11, 12], np.uint32), num_milestones=2)
+  second = EpisodeBuffer.start([[3, 4, 6]], context_length=4, max_steps=2,
+                               anchor=np.array([13], np.uint32), num_milestones=2)
+  # Row 0 of the second buffer takes a rejected step and ends.
+  second.record_step(0, np.array([True]), _timestep(1, terminated=[True], invalid_action=[True],
+                                                    cost=[0.5], anchor=[23]))
+  both = EpisodeBuffer.concat([first, second])
+  np.testing.assert_array_equal(both.batch.tokens, [[7, 8, 0, 0], [5, 0, 0, 0], [3, 4, 6, 0]])
+  np.testing.assert_array_equal(both.batch.attention_mask.sum(-1), [2, 1, 3])
+  np.testing.assert_array_equal(both.batch.step_mask, [[0, 0], [0, 0], [1, 0]])
+  np.testing.assert_array_equal(both.batch.cost, [[0, 0], [0, 0], [0.5, 0]])
+  np.testing.assert_array_equal(both.batch.anchor[:, 0], [0, 0, 13])
+  np.testing.assert_array_equal(both.batch.oracle_match, -np.ones((3, 2)))
+  np.testing.assert_array_equal(both.batch.termination, [0, 0, Termination.FAILURE])
+  np.testing.assert_array_equal(both.end, [2, 1, 3])
+  np.testing.assert_array_equal(both.done, [False, False, True])
+  np.testing.assert_array_equal(both.next_anchor, [11, 12, 23])
+  np.testing.assert_array_equal(both.invalid, [[0, 0], [0, 0], [1, 0]])
+  assert both.env_reward is None and both.num_milestones == 2
+  # Every array, of the batch and of the buffer, is the parts' rows in order, in a new array.
+  for rows, part in (([0, 1], first), ([2], second)):
+    got, want = both.take(rows), part
+    for name in ("end", "done", "next_anchor", "invalid", "unauthorized", "faulted", "looped"):
+      np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    for name, value in vars(want.batch).items():
+      np.testing.assert_array_equal(getattr(got.batch, name), value, err_msg=name)
+  both.batch.tokens[0, 0] = 9
+  assert first.batch.tokens[0, 0] == 7
+
+
+def test_concat_of_incompatible_buffers_names_the_mismatch():
+  make = lambda length=4, steps=2, milestones=2: EpisodeBuffer.start(
+      [[1]], context_length=length, max_steps=steps, anchor=np.zeros(1, np.uint32),
+      num_milestones=milestones)
+  with pytest.raises(ValueError, match=r"buffer 1 has context_length .* = 5 but buffer 0 has 4"):
+    EpisodeBuffer.concat([make(), make(length=5)])
+  with pytest.raises(ValueError, match="max_steps"):
+    EpisodeBuffer.concat([make(), make(), make(steps=3)])
+  with pytest.raises(ValueError, match="num_milestones"):
+    EpisodeBuffer.concat([make(), make(milestones=1)])
+  host = make()
+  host.record_step(0, np.array([True]), _timestep(1), env_reward=np.array([1.0]))
+  with pytest.raises(ValueError, match="env_reward"):
+    EpisodeBuffer.concat([make(), host])
+  with pytest.raises(ValueError, match="at least one"):
+    EpisodeBuffer.concat([])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from longhorizon.core.episode import EpisodeBatch, Termination, empty
@@ -86,6 +87,28 @@ class EpisodeBuffer:
         invalid=per_row(self.invalid), unauthorized=per_row(self.unauthorized),
         faulted=per_row(self.faulted), looped=per_row(self.looped),
         env_reward=per_row(self.env_reward))
+
+  @classmethod
+  def concat(cls, parts: list["EpisodeBuffer"]) -> "EpisodeBuffer":
+    """One buffer holding the rows of `parts` in order (`parts[0]`'s rows first): every array of
+    the batch (its `reward_components` and `routing` included) and every per-row array (`end`,
+    `done`, `next_anchor`, `invalid`, `unauthorized`, `faulted`, `looped`, `env_reward` unless
+    None) concatenated along its first axis, into new arrays.
+
+    Raises:
+      ValueError if `parts` is empty, or if a part differs from `parts[0]` in context length `L`,
+      step slots `S`, `num_milestones`, whether it holds `env_reward`, its reward component names or
+      its routing (`None` or its `[layers, k]`).
+    """
+    if not parts:
+      raise ValueError("EpisodeBuffer.concat needs at least one buffer.")
+    _check_compatible(parts)
+    cat = lambda *xs: np.concatenate([np.asarray(x) for x in xs])
+    batch = jax.tree.map(cat, *[p.batch for p in parts])
+    per_row = {f.name: None if getattr(parts[0], f.name) is None
+               else cat(*[getattr(p, f.name) for p in parts])
+               for f in dataclasses.fields(cls) if f.name not in ("batch", "num_milestones")}
+    return cls(batch=batch, num_milestones=parts[0].num_milestones, **per_row)
 
   def turn_start(self, r: int, t: int) -> int:
     """The position of row `r`'s first policy token of step `t` (where that turn's prefix ends)."""
@@ -219,6 +242,27 @@ _ROW_FIELDS = _TOKEN_FIELDS + _STEP_FIELDS + (
     "group", "success", "terminated", "truncated", "termination", "num_steps", "score",
     "policy_version", "env_version", "reward_version", "env_seed", "task_seed", "sampling_seed",
     "parent", "branch_step")
+
+
+def _check_compatible(parts: list[EpisodeBuffer]) -> None:
+  """Raises a ValueError naming the first property in which a buffer of `parts` differs from
+  `parts[0]` (see `EpisodeBuffer.concat`)."""
+  properties = {
+      "context_length (L, rollout.context_length)": lambda p: p.batch.context_length,
+      "max_steps (S, rollout.max_steps)": lambda p: p.batch.max_steps,
+      "num_milestones (the environment's)": lambda p: p.num_milestones,
+      "env_reward (held by host-environment buffers only)": lambda p: p.env_reward is not None,
+      "reward_components names": lambda p: sorted(p.batch.reward_components),
+      "routing [layers, k] (None for a dense policy)":
+          lambda p: None if p.batch.routing is None else np.shape(p.batch.routing)[2:],
+  }
+  for name, value in properties.items():
+    want = value(parts[0])
+    for i, part in enumerate(parts[1:], start=1):
+      if value(part) != want:
+        raise ValueError(f"EpisodeBuffer.concat: buffer {i} has {name} = {value(part)!r} but "
+                         f"buffer 0 has {want!r}; concatenate only buffers collected with one "
+                         f"environment and one RolloutConfig.")
 
 
 def _termination(ts: TimeStep) -> np.ndarray:

@@ -53,7 +53,8 @@ from longhorizon.envs.testing import random_action
 from longhorizon.envs.types import row, to_numpy
 from longhorizon.models import ModelConfig, prepare_decode_params
 from longhorizon.rollout.buffer import EpisodeBuffer
-from longhorizon.rollout.recovery import RECOVERY_FROM, RecoveryStarts, recovery_starts
+from longhorizon.rollout.recovery import (RECOVERY_FROM, RecoveryStarts, first_error_steps,
+                                           recovery_starts)
 from longhorizon.envs import RewardSpec
 from longhorizon.envs.host import Observation, StepResult, is_host
 from longhorizon.envs.pool import pool_for
@@ -415,20 +416,20 @@ def _entropy_points(batch, buffer, rows, seed, row_ids) -> np.ndarray:
 
 
 def _after_error_points(batch, buffer, rows, seed, row_ids) -> np.ndarray:
-  """The step right after the root's first invalid or forbidden action; uniform for a root
-  without one (or whose error ended it)."""
-  error = buffer.invalid | buffer.unauthorized
-  first = np.where(error.any(-1), np.argmax(error, -1), np.iinfo(np.int32).max)
-  ok = first + 1 < np.asarray(batch.num_steps)
+  """The step right after the root's first invalid or forbidden action
+  (`first_error_steps(..., "after_error")` + 1: the erroneous step stays shared, the branches
+  take the next one); uniform for a root without one, or whose error was its last step."""
+  first = first_error_steps(batch, buffer, "after_error")
+  ok = (first >= 0) & (first + 1 < np.asarray(batch.num_steps))
   return np.where(ok, first + 1, _uniform_points(batch, buffer, rows, seed, row_ids))
 
 
 def _divergence_points(batch, buffer, rows, seed, row_ids) -> np.ndarray:
-  """The first step whose action differs from the oracle's action in that state
-  (`oracle_match` 0); uniform for a root that agreed with the oracle throughout."""
-  differs = np.asarray(batch.oracle_match) == 0
-  return np.where(differs.any(-1), np.argmax(differs, -1),
-                  _uniform_points(batch, buffer, rows, seed, row_ids))
+  """The first step whose action differs from the oracle's action in that state (`oracle_match`
+  0; `first_error_steps(..., "first_divergence")` itself, unlike `after_error`: the branches
+  resample the divergent action); uniform for a root that agreed with the oracle throughout."""
+  first = first_error_steps(batch, buffer, "first_divergence")
+  return np.where(first >= 0, first, _uniform_points(batch, buffer, rows, seed, row_ids))
 
 
 # Where `collect` forks each root (`RolloutConfig.branch_at`): `(root batch, its buffer, its env

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from longhorizon.rollout.buffer import EpisodeBuffer
+
 __all__ = ["RECOVERY_FROM", "RecoveryPool", "RecoveryStarts", "first_error_steps",
            "recovery_starts"]
 
@@ -33,7 +35,7 @@ RECOVERY_FROM = ("first_divergence", "after_error")
 @dataclasses.dataclass
 class RecoveryStarts:
   """`M` saved starts: where `M` failed episodes stood just after their first error."""
-  buffer: Any  # EpisodeBuffer [M]: each episode's tokens and step records before `steps`
+  buffer: EpisodeBuffer  # [M]: each episode's tokens and step records before `steps`
   steps: np.ndarray  # [M] int64 the step each start takes next
   states: Any  # JAX environments: the state pytree ([M, ...] leaves); host: pool sources
   milestones: np.ndarray  # [M, num_milestones] bool reached before `steps`
@@ -60,8 +62,9 @@ class RecoveryStarts:
 
   @staticmethod
   def concat(parts: list["RecoveryStarts"]) -> "RecoveryStarts":
-    """One `RecoveryStarts` of the non-empty `parts` in order (at least one; their buffers must
-    have one width)."""
+    """One `RecoveryStarts` of the non-empty `parts` in order (at least one); a single non-empty
+    part is returned as is. The buffers are joined by `EpisodeBuffer.concat`, which raises a
+    ValueError if they are not compatible (context length, step slots, milestones, ...)."""
     parts = [p for p in parts if len(p)]
     if not parts:
       raise ValueError("RecoveryStarts.concat needs at least one non-empty part.")
@@ -73,14 +76,7 @@ class RecoveryStarts:
       states = [s for p in parts for s in p.states]
     else:
       states = jax.tree.map(lambda *xs: jnp.concatenate(xs), *[p.states for p in parts])
-    buffers = [p.buffer for p in parts]
-    batch = jax.tree.map(cat, *[b.batch for b in buffers])
-    per_step = {name: cat(*[getattr(b, name) for b in buffers])
-                for name in ("end", "done", "next_anchor", "invalid", "unauthorized", "faulted",
-                             "looped")}
-    env_reward = (None if first.buffer.env_reward is None
-                  else cat(*[b.env_reward for b in buffers]))
-    buffer = dataclasses.replace(first.buffer, batch=batch, env_reward=env_reward, **per_step)
+    buffer = EpisodeBuffer.concat([p.buffer for p in parts])
     return RecoveryStarts(buffer=buffer, steps=cat(*[p.steps for p in parts]), states=states,
                           milestones=cat(*[p.milestones for p in parts]),
                           env_seed=cat(*[p.env_seed for p in parts]),
