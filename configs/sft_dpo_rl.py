@@ -23,6 +23,13 @@ runs resume, 6 runs of about 6 minutes):
   python experiments/sweep.py --config=configs/sft_dpo_rl.py --workdir_root=OUT
   python experiments/sft_dpo_rl_report.py --root=OUT
 
+The DPO stage's ablation (`:ablation`: no RL updates, seed 0, one run per DPO setting: plain DPO
+at two learning rates, DPO + NLL at two betas, step-level DPO + NLL, and the NLL term alone with
+beta 1e-6, which leaves the DPO term no gradient; 6 runs of about 2 minutes):
+
+  python experiments/sweep.py --config=configs/sft_dpo_rl.py:ablation --workdir_root=OUT
+  python experiments/sft_dpo_rl_report.py --root=OUT
+
 Smoke variant (`:smoke`): default.py's smoke run with a 2-pass DPO stage on 4 tasks x 4 rollouts.
 """
 
@@ -37,9 +44,9 @@ RL_UPDATES = 60  # default.py's RL budget, in updates of 16 tasks x 8 rollouts
 
 
 def _check(arg):
-  if arg not in (None, "", "smoke"):
-    raise ValueError(f"unknown config variant {arg!r} of configs/sft_dpo_rl.py; use 'smoke' or "
-                     "nothing.")
+  if arg not in (None, "", "smoke", "ablation"):
+    raise ValueError(f"unknown config variant {arg!r} of configs/sft_dpo_rl.py; use 'smoke', "
+                     "'ablation' or nothing.")
 
 
 def dpo_updates(config) -> int:
@@ -50,7 +57,7 @@ def dpo_updates(config) -> int:
 
 def get_config(arg=None):
   _check(arg)
-  config = sweeps.config_module(_DEFAULT).get_config(arg or None)
+  config = sweeps.config_module(_DEFAULT).get_config("smoke" if arg == "smoke" else None)
   config.unlock()
   d = config.dpo
   d.steps = 20
@@ -62,6 +69,8 @@ def get_config(arg=None):
   d.learning_rate = 1e-3
   if arg == "smoke":
     d.steps, d.tasks, d.group_size = 2, 4, 4
+  elif arg == "ablation":
+    config.num_updates = 0
   else:
     config.num_updates = RL_UPDATES - dpo_updates(config)
   config.lock()
@@ -74,6 +83,12 @@ def get_sweep(arg=None):
   _check(arg)
   if arg == "smoke":
     return sweeps.product({"config.dpo.steps": [0, 2]}, {"config.seed": [0]})
+  if arg == "ablation":
+    return sweeps.product({
+        "config.dpo.sft_weight": [0.0, 0.0, 1.0, 1.0, 1.0, 1.0],
+        "config.dpo.beta": [0.1, 0.1, 0.1, 0.5, 0.1, 1e-6],
+        "config.dpo.learning_rate": [1e-3, 1e-4, 1e-3, 3e-4, 1e-3, 1e-3],
+        "config.dpo.level": ["trajectory"] * 4 + ["step", "trajectory"]})
   pipeline = get_config()
   arms = {"config.dpo.steps": [0, pipeline.dpo.steps],
           "config.num_updates": [RL_UPDATES, pipeline.num_updates]}

@@ -5,8 +5,8 @@ r"""RL alone vs SFT -> DPO -> RL at equal sampled episodes: the report of config
 
 Reads every run folder's `eval.json` and `metrics.jsonl` under --root (a run without `eval.json`
 is unfinished and left out, named in the log) and writes to --out (default --root): `runs.csv`
-(one row per run), `summary.md` (each stage's test success, mean and 95% t-interval over seeds, and
-the per-seed difference of the final success), `summary.json`, and `curves.png` (training success
+(one row per run), `summary.md` (each stage's test success, mean and 95% t-interval over seeds, the
+per-seed difference of the final success, and a line per run), `summary.json`, and `curves.png` (training success
 against episodes sampled: the pipeline's curve starts after its DPO episodes).
 """
 
@@ -50,7 +50,10 @@ def read_runs(root: str) -> list[dict]:
     row = {"run": os.path.basename(run), "arm": ARMS[bool(result.get("dpo"))],
            "seed": config["seed"], "sampled_episodes": episodes["sampled"],
            "dpo_episodes": episodes["dpo"], "rl_updates": result["num_updates"],
-           "dpo_pairs": (result.get("dpo") or {}).get("pairs_used", 0), "curve": curve}
+           "dpo_pairs": (result.get("dpo") or {}).get("pairs_used", 0),
+           "dpo_chosen_logratio": (result.get("dpo") or {}).get("dpo_chosen_logratio"),
+           "dpo_rejected_logratio": (result.get("dpo") or {}).get("dpo_rejected_logratio"),
+           "curve": curve}
     row.update({key: result.get(key) for key, _ in _STAGES})
     rows.append(row)
   for run in sorted(glob.glob(os.path.join(root, "*", "config.json"))):
@@ -105,6 +108,22 @@ def markdown(summary: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
+def runs_table(rows: list[dict]) -> str:
+  """One line per run: its stages' test success (sampled / greedy), pairs and the DPO stage's
+  log-ratios of the chosen and rejected episodes to the reference after its last pass."""
+  fmt = lambda x, spec=".3f": "-" if x is None else format(x, spec)
+  lines = ["| run | warm start | after DPO | final | pairs | chosen / rejected log-ratio |",
+           "|---|---|---|---|---|---|"]
+  for r in rows:
+    lines.append(
+        f"| {r['run']} | {fmt(r['warm_start_success_rate'])} / "
+        f"{fmt(r['warm_start_greedy_success_rate'])} | {fmt(r['dpo_success_rate'])} / "
+        f"{fmt(r['dpo_greedy_success_rate'])} | {fmt(r['success_rate'])} / "
+        f"{fmt(r['greedy_success_rate'])} | {r['dpo_pairs']} | "
+        f"{fmt(r['dpo_chosen_logratio'], '+.2f')} / {fmt(r['dpo_rejected_logratio'], '+.2f')} |")
+  return "\n".join(lines) + "\n"
+
+
 def plot(rows: list[dict], path: str) -> str:
   fig = Figure(figsize=(7, 4))
   ax = fig.subplots()
@@ -139,10 +158,11 @@ def main(argv):
   summary = summarise(rows)
   with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
     json.dump(summary, f, indent=2, sort_keys=True)
+  text = markdown(summary) + "\nEach run (test success sampled / greedy):\n\n" + runs_table(rows)
   with open(os.path.join(out, "summary.md"), "w", encoding="utf-8") as f:
-    f.write(markdown(summary))
+    f.write(text)
   plot(rows, os.path.join(out, "curves.png"))
-  print(markdown(summary))
+  print(text)
 
 
 if __name__ == "__main__":
