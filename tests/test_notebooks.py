@@ -45,7 +45,8 @@ EXPECTED = {
          "  oracle     1.00"],  # the evaluation table: the oracle solves every test task
         ["text/html", "image/png"]),
     "credit_assignment_ablation.ipynb": (
-        ["runs,", "LIVE_ABLATION_OK", "H=17  p^H=", "grpo_oracle_verifier", "branch_step [-1"],
+        ["runs,", "LIVE_ABLATION_OK", "H=17  p^H=", "grpo_oracle_verifier", "branch_step [-1",
+         "LIVE_STUDY_CELL_OK"],
         ["image/png", "text/markdown"]),
     "custom_environment.ipynb": (
         ["oracle: success 1.000", "oracle success through the text path: 1.00",
