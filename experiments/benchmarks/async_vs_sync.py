@@ -16,12 +16,16 @@ index `latency_shape`) and the batch sleeps for the largest (a batched tool call
 slowest call). Draws are seeded by (batch index, step), so every mode meets the same latencies.
 
 Modes (`--modes`), each from the same initial parameters for `--updates` updates of batches
-0, 1, ...: `sync` (`Learner.step`: sample, then learn) and `async:A:S` (`AsyncRollouts` with `A`
-actor threads and `max_staleness` `S`, drop policy). Measured per mode: wall time, trained
-episodes/s and updates/s, speed-up over `sync`, mean and max policy lag, dropped-episode rate,
-learner idle share (waiting for a batch; for sync, the rollout share) and actor idle share (actors
-waiting for admission or queue space; for sync, the update share). Prints one table; `--out`
-writes the rows as JSON.
+0, 1, ...: `sync` (`Learner.step`: sample, then learn), `async:A:S` (`AsyncRollouts` with `A`
+actor threads and `max_staleness` `S`, drop policy), and `partial:A:S` / `partial-reprefill:A:S`
+(the same with partial rollouts across updates, `rollout.continue_partial`, the KV cache kept or
+recomputed at a switch). Measured per mode: wall time, trained episodes/s and updates/s, speed-up
+over `sync`, mean and max policy lag, dropped-episode rate, learner idle share (waiting for a
+batch; for sync, the rollout share), actor idle share (actors waiting for admission or queue
+space; for sync, the update share), and the episode-length bias of the staleness filter: the mean
+policy tokens per episode over the episodes received and over those the filter kept any token
+of, with the mean token lag and the count of episodes that spanned versions. Prints one table;
+`--out` writes the rows as JSON.
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ _OUT = flags.DEFINE_string("out", None, "Optional JSON path for the result rows.
 _UPDATES = flags.DEFINE_integer("updates", 10, "Timed updates per mode.")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed sync updates first (compilation).")
 _MODES = flags.DEFINE_list("modes", ["sync", "async:1:1", "async:2:2", "async:4:4"],
-                           "sync, or async:ACTORS:MAX_STALENESS.")
+                           "sync, or KIND:ACTORS:MAX_STALENESS with KIND async, partial "
+                           "(partial rollouts, cache kept) or partial-reprefill.")
 _LATENCY = flags.DEFINE_enum("latency", "lognormal", ["lognormal", "pareto", "none"],
                              "Per-call tool latency distribution.")
 _LATENCY_MS = flags.DEFINE_float("latency_ms", 40.0,
@@ -83,13 +88,17 @@ def run_sync(s, host_state, updates: int, latency: Latency) -> dict:
   wall = time.perf_counter() - start
   return {"wall_s": wall, "lag_mean": 0.0, "lag_max": 0.0, "dropped_episode_rate": 0.0,
           "learner_idle_frac": rollout_s / wall, "actor_idle_frac": update_s / wall,
-          "final_loss": metrics["loss"]}
+          "final_loss": metrics["loss"], "sampled_length_mean": float("nan"),
+          "admitted_length_mean": float("nan"), "token_lag_mean": 0.0, "partial_episodes": 0.0}
 
 
-def run_async(s, host_state, updates: int, latency: Latency, actors: int, staleness: int) -> dict:
+def run_async(s, host_state, updates: int, latency: Latency, actors: int, staleness: int,
+              kind: str = "async") -> dict:
   config = s.config.copy_and_resolve_references()
   config.unlock()
   config.rollout.mode = "async"
+  config.rollout.continue_partial = kind != "async"
+  config.rollout.partial_cache = "reprefill" if kind == "partial-reprefill" else "keep"
   config.rollout.num_actors = actors
   config.rollout.max_staleness = staleness
   config.rollout.queue_size = max(staleness, 1) + actors
@@ -121,20 +130,27 @@ def run_async(s, host_state, updates: int, latency: Latency, actors: int, stalen
           "dropped_episode_rate": total("async/dropped_episodes") / max(received, 1),
           "learner_idle_frac": total("async/learner_idle_s") / wall,
           "actor_idle_frac": idle / max(idle + busy, 1e-9),
-          "final_loss": rows[-1]["loss"]}
+          "final_loss": rows[-1]["loss"],
+          "sampled_length_mean": float(np.mean([r["async/sampled_length_mean"] for r in rows])),
+          "admitted_length_mean": float(np.mean([r["async/admitted_length_mean"] for r in rows])),
+          "token_lag_mean": float(np.mean([r["async/token_lag_mean"] for r in rows])),
+          "partial_episodes": total("async/partial_episodes")}
 
 
 def print_table(rows):
-  header = (f"{'mode':<14} {'actors':>6} {'stale':>5} {'wall s':>8} {'episodes/s':>10} "
+  header = (f"{'mode':<24} {'actors':>6} {'stale':>5} {'wall s':>8} {'episodes/s':>10} "
             f"{'updates/s':>9} {'speed-up':>8} {'lag mean':>8} {'lag max':>7} {'dropped':>7} "
-            f"{'learner idle':>12} {'actor idle':>10}")
+            f"{'learner idle':>12} {'actor idle':>10} {'len sampled':>11} {'len admitted':>12} "
+            f"{'token lag':>9} {'partial':>7}")
   print(header)
   print("-" * len(header))
   for r in rows:
-    print(f"{r['mode']:<14} {r['actors']:>6} {r['max_staleness']:>5} {r['wall_s']:>8.1f} "
+    print(f"{r['mode']:<24} {r['actors']:>6} {r['max_staleness']:>5} {r['wall_s']:>8.1f} "
           f"{r['episodes_per_s']:>10.2f} {r['updates_per_s']:>9.3f} {r['speedup']:>7.2f}x "
           f"{r['lag_mean']:>8.2f} {r['lag_max']:>7.0f} {r['dropped_episode_rate']:>7.2f} "
-          f"{r['learner_idle_frac']:>12.2f} {r['actor_idle_frac']:>10.2f}")
+          f"{r['learner_idle_frac']:>12.2f} {r['actor_idle_frac']:>10.2f} "
+          f"{r['sampled_length_mean']:>11.1f} {r['admitted_length_mean']:>12.1f} "
+          f"{r['token_lag_mean']:>9.2f} {r['partial_episodes']:>7.0f}")
 
 
 def main(argv):
@@ -165,8 +181,8 @@ def main(argv):
       if name == "sync":
         result = run_sync(s, host_state, _UPDATES.value, latency)
       else:
-        result = run_async(s, host_state, _UPDATES.value, latency, actors, staleness)
-      result.update(mode=name if name == "sync" else f"async:{actors}:{staleness}",
+        result = run_async(s, host_state, _UPDATES.value, latency, actors, staleness, name)
+      result.update(mode=name if name == "sync" else f"{name}:{actors}:{staleness}",
                     actors=actors, max_staleness=staleness,
                     updates_per_s=_UPDATES.value / result["wall_s"],
                     episodes_per_s=_UPDATES.value * episodes / result["wall_s"])

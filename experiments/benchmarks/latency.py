@@ -34,12 +34,16 @@ class Latency:
 
 
 def parse_mode(mode: str) -> tuple[str, int, int]:
-  """`'sync'` -> ('sync', 1, 0); `'async:A:S'` -> ('async', A, S)."""
+  """`'sync'` -> ('sync', 1, 0); `'async:A:S'` -> ('async', A, S); `'partial:A:S'` and
+  `'partial-reprefill:A:S'`: async with partial rollouts across updates (the KV cache kept, or
+  recomputed at a version switch) -> ('partial', A, S) / ('partial-reprefill', A, S)."""
   parts = mode.split(":")
   if parts == ["sync"]:
     return "sync", 1, 0
-  if len(parts) == 3 and parts[0] == "async" and parts[1].isdigit() and parts[2].isdigit():
+  kinds = ("async", "partial", "partial-reprefill")
+  if len(parts) == 3 and parts[0] in kinds and parts[1].isdigit() and parts[2].isdigit():
     if int(parts[1]) < 1:
       raise ValueError(f"--modes: {mode!r} needs at least one actor.")
-    return "async", int(parts[1]), int(parts[2])
-  raise ValueError(f"--modes: {mode!r} is neither 'sync' nor 'async:ACTORS:MAX_STALENESS'.")
+    return parts[0], int(parts[1]), int(parts[2])
+  raise ValueError(f"--modes: {mode!r} is neither 'sync' nor 'KIND:ACTORS:MAX_STALENESS' with KIND "
+                   f"one of {kinds}.")

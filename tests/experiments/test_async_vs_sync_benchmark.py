@@ -31,7 +31,9 @@ def test_latency_is_the_slowest_call_and_seeded_by_batch_and_step():
 def test_parse_mode():
   assert async_vs_sync.parse_mode("sync") == ("sync", 1, 0)
   assert async_vs_sync.parse_mode("async:2:3") == ("async", 2, 3)
-  for bad in ("async", "async:0:1", "async:1", "sync:1:1", "async:a:1"):
+  assert async_vs_sync.parse_mode("partial:2:1") == ("partial", 2, 1)
+  assert async_vs_sync.parse_mode("partial-reprefill:1:0") == ("partial-reprefill", 1, 0)
+  for bad in ("async", "async:0:1", "async:1", "sync:1:1", "async:a:1", "partial:1"):
     with pytest.raises(ValueError, match="--modes"):
       async_vs_sync.parse_mode(bad)
 
@@ -39,14 +41,15 @@ def test_parse_mode():
 def test_smoke_run_writes_consistent_json(tmp_path):
   out = tmp_path / "async_vs_sync.json"
   result = subprocess.run(
-      [sys.executable, str(SCRIPT), "--updates=2", "--warmup=1", "--modes=sync,async:2:1",
+      [sys.executable, str(SCRIPT), "--updates=2", "--warmup=1", "--modes=sync,async:2:1,partial:2:1",
        "--latency_ms=5", f"--out={out}"], capture_output=True, text=True, timeout=300, cwd=ROOT)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "episodes/s" in result.stdout and "async:2:1" in result.stdout
   payload = json.loads(out.read_text())
   assert payload["settings"]["updates"] == 2
   assert payload["settings"]["latency"] == {"kind": "lognormal", "ms": 5.0, "shape": 1.0, "seed": 0}
-  sync, run = payload["rows"]
+  sync, run, partial = payload["rows"]
+  assert partial["mode"] == "partial:2:1" and partial["admitted_length_mean"] > 0
   assert (sync["mode"], run["mode"], run["actors"], run["max_staleness"]) == (
       "sync", "async:2:1", 2, 1)
   assert sync["speedup"] == 1.0 and sync["lag_mean"] == 0.0

@@ -12,6 +12,7 @@ import pytest
 
 from longhorizon import envs, rollout
 from longhorizon.cli import store as store_cli
+from longhorizon.core import episode
 from longhorizon.core.episode import RECOVERY, Termination
 from longhorizon.envs import testing
 from longhorizon.rollout import render
@@ -124,10 +125,7 @@ def test_a_user_reads_the_store_with_pyarrow(tmp_path, collected):
 
 def test_stores_of_different_lengths_are_padded_on_read(tmp_path, collected):
   batch, _ = collected
-  short = jax.tree.map(np.asarray, batch).replace(  # L 128 -> 100, S 5 -> 5
-      **{k: np.asarray(getattr(batch, k))[:, :100] for k in (
-          "tokens", "positions", "attention_mask", "loss_mask", "turn", "behavior_logprobs",
-          "action_part")})
+  short = episode.trim(jax.tree.map(np.asarray, batch), 100)  # L 128 -> 100, S 5 -> 5
   assert not np.asarray(batch.attention_mask)[:, 100:].any()
   store = TrajectoryStore(tmp_path)
   store.append(short, update=1)

@@ -68,6 +68,9 @@ def test_lag_metrics_by_hand():
     ({"loss.name": "vtrace"}, "config.loss.name='vtrace'"),
     ({"loss.name": "tis"}, "config.loss.tis_threshold=0.0"),
     ({"rollout.mode": "async", "curriculum.num_buckets": 2}, "with rollout.mode='async'"),
+    ({"rollout.continue_partial": True}, "config.rollout.continue_partial=True"),
+    ({"rollout.mode": "async", "rollout.partial_cache": "drop"},
+     "config.rollout.partial_cache='drop'"),
 ])
 def test_async_config_errors_name_the_field(changes, message):
   with pytest.raises(ValueError) as info:
@@ -98,12 +101,17 @@ class FakeSampler:
       return table.setdefault(k, threading.Event())
 
   def __call__(self, params, update, data_position, timer, task_indices=None, *,
-               policy_version=None, on_env_step=None):
+               policy_version=None, on_env_step=None, params_source=None):
     self._event(self.started, update).set()
     released, deadline = self._event(self.released, update), time.time() + 30
     while not (released.wait(0.005) or self.open.is_set()):
       assert time.time() < deadline, f"batch {update} never released"
+    # Each row: a first token sampled at the start, two more at release (with partial rollouts
+    # by the version published by then), and one unsampled token.
+    late = params_source()[1] if params_source is not None else policy_version
     batch = types.SimpleNamespace(policy_version=np.full((2,), policy_version, np.int32),
+                                  loss_mask=np.tile([True, True, True, False], (2, 1)),
+                                  token_version=np.tile([policy_version, late, late, -1], (2, 1)),
                                   index=update, data_position=data_position,
                                   params=float(params["w"]))
     return batch, None
@@ -133,6 +141,7 @@ def make_pipeline():
   made = []
 
   def make(**rollout):
+    rollout.setdefault("mode", "async")
     fake = FakeSampler()
     s = _fake_learner(_config(**{f"rollout.{k}": v for k, v in rollout.items()}), fake)
     pipe = async_rollout.AsyncRollouts(s, {"w": jnp.float32(0.0)}, version=0, first_batch=5,
@@ -197,6 +206,47 @@ def test_out_of_order_batch_is_dropped_or_downweighted(make_pipeline, policy, we
     assert m["async/weight_mean"] == 0.5
   assert m["async/learner_idle_s"] >= 0 and m["async/queue_age_s"] >= 0
   assert pipe.next_batch == (9 if policy == "drop" else 8)  # after the newest batch taken
+
+
+def test_partial_rollouts_keep_the_fresh_tokens_of_a_late_batch(make_pipeline):
+  """The out-of-order case above with partial rollouts: batch 5 samples its first token with
+  version 0 and the rest after version 2 is published; taken at update 2, only that first token
+  is too stale (lag 2 > 1) and the batch is trained on, not dropped."""
+  fake, pipe = make_pipeline(max_staleness=1, num_actors=2, stale_policy="drop", queue_size=4,
+                             continue_partial=True)
+  fake.wait_started(5)
+  fake.wait_started(6)
+  fake.release(6, pipe, queued=1)
+  item, _, m = pipe.take(0)
+  assert item.index == 6 and m["async/partial_episodes"] == 0  # no version published meanwhile
+  pipe.publish({"w": jnp.float32(1)}, 1)
+  fake.wait_started(7)
+  fake.release(7, pipe, queued=1)
+  item, _, _ = pipe.take(1)
+  assert item.index == 7
+  pipe.publish({"w": jnp.float32(2)}, 2)
+  fake.wait_started(8)
+  fake.release(5, pipe, queued=1)
+  fake.release(8, pipe, queued=2)
+  item, scale, m = pipe.take(2)
+  assert (item.index, item.version) == (5, 0)
+  np.testing.assert_array_equal(item.batch.token_version[0], [0, 2, 2, -1])
+  np.testing.assert_array_equal(scale, np.tile([0.0, 1.0, 1.0, 1.0], (2, 1)))
+  assert m["async/dropped_episodes"] == 0 and m["async/partial_episodes"] == 2
+  assert m["async/token_lag_max"] == 2 and m["async/token_lag_mean"] == pytest.approx(2 / 3)
+  assert m["async/lag_max"] == 2  # the episodes' start version is still 2 behind
+  assert m["async/sampled_length_mean"] == m["async/admitted_length_mean"] == 3
+
+
+def test_token_staleness_weights_by_hand():
+  batch = types.SimpleNamespace(loss_mask=np.array([[0, 1, 1, 1], [0, 1, 1, 0]], bool),
+                                token_version=np.array([[-1, 3, 4, 5], [-1, 5, 5, -1]]))
+  np.testing.assert_array_equal(
+      async_rollout.token_staleness_weights(batch, 5, 1, "downweight", 0.5),
+      [[1, 0.5, 1, 1], [1, 1, 1, 1]])
+  np.testing.assert_array_equal(
+      async_rollout.token_staleness_weights(batch, 5, 0, "drop", 0.5),
+      [[1, 0, 0, 1], [1, 1, 1, 1]])
 
 
 def test_actor_errors_reach_the_learner():

@@ -67,7 +67,8 @@ SPECS = config_lib.SPECS
 # Options that apply only together with others: the flags that make them valid.
 _COMPANIONS = {"algorithm.time_discount": ("--config.algorithm.name=gigpo",
                                            "--config.algorithm.time_source=cost"),
-               "algorithm.critic": ("--config.algorithm.name=ppo",)}
+               "algorithm.critic": ("--config.algorithm.name=ppo",),
+               "rollout.continue_partial": ("--config.rollout.mode=async",)}
 
 
 def _fields():

@@ -115,7 +115,8 @@ def test_fields_added_since_a_run_started_resume_at_their_old_behaviour(tmp_path
   del saved["rollout"]["branch_k"], saved["rollout"]["branch_at"], saved["rollout"]["record_oracle"]
   del saved["curriculum"]["step_budgets"], saved["curriculum"]["grow_at"]
   del saved["rollout"]["share_prompts"]
-  for name in ("recovery_groups", "recovery_from", "recovery_capacity"):
+  for name in ("recovery_groups", "recovery_from", "recovery_capacity", "continue_partial",
+               "partial_cache"):
     del saved["rollout"][name]
   del saved["store"], saved["dpo"], saved["sft"]["store"]
   (tmp_path / "config.json").write_text(json.dumps(saved))

@@ -65,6 +65,10 @@ class EpisodeBatch:
   loss_mask: Any = _array("B L", bool)  # 1 on exactly the policy-sampled tokens (turn ends included)
   turn: Any = _array("B L", np.int32, fill=-1)  # step index of each token; -1 on prompt and padding
   behavior_logprobs: Any = _array("B L", np.float32)  # sampler log-probs on sampled tokens, else 0
+  # The policy version that sampled each token (`policy_version` of a whole episode, unless the
+  # episode continued across weight updates: `rollout.continue_partial`); -1 off the loss mask, and
+  # on it in batches stored before the field existed (unknown).
+  token_version: Any = _array("B L", np.int32, fill=-1)
   # The part of the action each policy token belongs to (`envs.action_parts`: 0 text, 1 tool name,
   # 2 arguments, 3 final answer); labelled when `RolloutConfig.label_parts`, else 0.
   action_part: Any = _array("B L", np.int32)
@@ -193,6 +197,9 @@ class EpisodeBatch:
     _check(np.isfinite(lp).all() and (lp <= 1e-6).all(), "behavior_logprobs",
            "has non-finite or positive values")
     _check(not (~loss_mask & (lp != 0)).any(), "behavior_logprobs", "is non-zero off the loss_mask")
+    tv = fields["token_version"]
+    _check(not (~loss_mask & (tv != -1)).any(), "token_version", "is not -1 off the loss_mask")
+    _check((tv >= -1).all(), "token_version", "has values below -1")
     return self
 
 

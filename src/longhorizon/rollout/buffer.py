@@ -65,6 +65,7 @@ class EpisodeBuffer:
       x[~token_kept] = -1 if name == "turn" else 0
     batch.loss_mask[:] = False
     batch.behavior_logprobs[:] = 0.0
+    batch.token_version[:] = -1
     for name in _STEP_FIELDS:
       getattr(batch, name)[~step_kept] = -1 if name == "oracle_match" else 0
     b = len(parents)
@@ -122,15 +123,15 @@ class EpisodeBuffer:
     sooner (one slot stays free for an end of turn)."""
     return np.minimum(turn_tokens, self.batch.context_length - self.end - 1).astype(np.int32)
 
-  def write_turn(self, t, active, tokens, logprobs, lengths) -> int:
+  def write_turn(self, t, active, tokens, logprobs, lengths, version: int = 0) -> int:
     """Appends turn `t` (an int, or `[B]` per row) of each `active` row: `tokens[r, :lengths[r]]`
-    as sampled tokens (loss 1, behaviour log-probs `logprobs[r, :lengths[r]]`). Returns the number
-    of tokens written."""
+    as sampled tokens (loss 1, behaviour log-probs `logprobs[r, :lengths[r]]`, sampled by policy
+    `version`). Returns the number of tokens written."""
     written, t = 0, _per_row(t, len(active))
     for r in np.nonzero(active)[0]:
       k = int(lengths[r])
       if k:
-        self._write(r, t[r], tokens[r, :k], logprobs[r, :k])
+        self._write(r, t[r], tokens[r, :k], logprobs[r, :k], version)
         written += k
     return written
 
@@ -138,7 +139,7 @@ class EpisodeBuffer:
     """Appends `ids` (an observation, perhaps after a forced end of turn) to row `r`: loss 0."""
     self._write(r, t, ids)
 
-  def _write(self, r, t, ids, logprobs=None):
+  def _write(self, r, t, ids, logprobs=None, version: int = 0):
     s = slice(self.end[r], self.end[r] + len(ids))
     out = self.batch
     out.tokens[r, s] = ids
@@ -147,6 +148,7 @@ class EpisodeBuffer:
     if logprobs is not None:
       out.loss_mask[r, s] = True
       out.behavior_logprobs[r, s] = logprobs
+      out.token_version[r, s] = version
     self.end[r] += len(ids)
 
   def record_step(self, t, active, ts: TimeStep, env_reward=None) -> np.ndarray:
@@ -235,7 +237,7 @@ def _per_row(t, b: int) -> np.ndarray:
 
 # What `fork` copies of a parent row: every per-row field of the batch being filled.
 _TOKEN_FIELDS = ("tokens", "positions", "attention_mask", "loss_mask", "turn", "behavior_logprobs",
-                 "action_part")
+                 "action_part", "token_version")
 _STEP_FIELDS = ("rewards", "step_mask", "anchor", "milestones", "cost", "latency", "violation",
                 "env_error", "oracle_match")
 _ROW_FIELDS = _TOKEN_FIELDS + _STEP_FIELDS + (

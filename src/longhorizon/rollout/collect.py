@@ -200,7 +200,8 @@ def collect(params, model_config: ModelConfig, env: Environment, codec, tasks: A
             env_keys: jax.Array, config: RolloutConfig, *, sampling_seed: int,
             policy_version: int = 0, task_seed: int = 0,
             group_offset: int = 0, row_offset: int = 0, scripted=None,
-            on_env_step=None) -> tuple[EpisodeBatch, RolloutStats]:
+            on_env_step=None, params_source=None,
+            reprefill: bool = False) -> tuple[EpisodeBatch, RolloutStats]:
   """Runs `N` tasks x `G` rollouts and returns `(EpisodeBatch [N*G], RolloutStats)`.
 
   Args:
@@ -226,6 +227,11 @@ def collect(params, model_config: ModelConfig, env: Environment, codec, tasks: A
     on_env_step: optional host function `(t, active)` called after every batched env step `t` with
       the `[B]` bool rows that stepped; its time counts as environment time (the async benchmark
       sleeps there to simulate tool latency).
+    params_source: optional `() -> (params, version)`, the newest published policy (partial
+      rollouts across weight updates, `rollout.continue_partial`): before every turn, a version
+      newer than the one sampling replaces it for the rest of the episodes (`token_version`
+      records which sampled each token). The KV cache of the tokens so far is kept as the older
+      parameters computed it, or with `reprefill` computed again with the new ones.
   """
   reward, stats = env.reward_spec, RolloutStats()
   n, g = _num_tasks(tasks), config.group_size
@@ -242,8 +248,9 @@ def collect(params, model_config: ModelConfig, env: Environment, codec, tasks: A
   buffer = EpisodeBuffer.start(prompts, config.context_length, config.max_steps, anchors,
                                env.num_milestones)
   with _timed(stats, "generation_s"):
-    policy = (_ScriptedPolicy(scripted, config, codec) if scripted else
-              _ModelPolicy(params, model_config, config, codec, prompts, sampling_seed, row_ids))
+    policy = (_ScriptedPolicy(scripted, config, codec, policy_version) if scripted else
+              _ModelPolicy(params, model_config, config, codec, prompts, sampling_seed, row_ids,
+                           version=policy_version, source=params_source, reprefill=reprefill))
   _run_turns(buffer, policy, rows, codec, config, stats, np.zeros(len(prompts), np.int64),
              on_env_step)
   labels = dict(policy_version=policy_version, task_seed=task_seed, sampling_seed=sampling_seed)
@@ -288,7 +295,7 @@ def collect_recovery(params, model_config: ModelConfig, env: Environment, codec,
     rows.track_oracle = config.record_oracle
   with _timed(stats, "generation_s"):
     policy = _ModelPolicy(params, model_config, config, codec, prompts, sampling_seed,
-                          row_offset + np.arange(m * g))
+                          row_offset + np.arange(m * g), version=policy_version)
   _run_turns(buffer, policy, rows, codec, config, stats, start.steps.astype(np.int64), on_env_step)
   labels = dict(policy_version=policy_version, task_seed=task_seed, sampling_seed=sampling_seed)
   with _timed(stats, "host_s"):
@@ -311,11 +318,12 @@ def _run_turns(buffer: EpisodeBuffer, policy, rows, codec, config: RolloutConfig
       break
     stats.turns += 1
     with _timed(stats, "generation_s"):
+      policy.refresh(buffer, active)
       turn = policy.turn(rows.states(active), active, buffer.budgets(config.turn_tokens))
     with _timed(stats, "host_s"):
       starts = buffer.end.copy()
       stats.sampled_tokens += buffer.write_turn(steps, active, turn.tokens, turn.logprobs,
-                                                turn.lengths)
+                                                turn.lengths, policy.version)
       if config.label_parts:
         for r in np.nonzero(active & (turn.lengths > 0))[0]:
           ids = turn.tokens[r, :int(turn.lengths[r])]
@@ -675,8 +683,10 @@ class _ModelPolicy:
   with `fold_in(key(sampling_seed), row_offset + r)`."""
 
   def __init__(self, params, model_config: ModelConfig, config: RolloutConfig, codec, prompts,
-               sampling_seed: int, row_ids):
+               sampling_seed: int, row_ids, *, version: int = 0, source=None,
+               reprefill: bool = False):
     self.params = prepare_decode_params(params, model_config)
+    self.version, self.source, self.reprefill = version, source, reprefill
     self.model_config, self.length = model_config, config.context_length
     self.sampling_seed = sampling_seed
     self.row_keys = sampler.per_row_keys(sampling_seed, np.asarray(row_ids))
@@ -706,6 +716,7 @@ class _ModelPolicy:
     one token per row) to give the next-token logits. Row `i` samples with key `row_ids[i]`."""
     child = object.__new__(_ModelPolicy)
     child.params, child.model_config, child.length = self.params, self.model_config, self.length
+    child.version, child.source, child.reprefill = self.version, self.source, self.reprefill
     child.sampling_seed, child.rule = self.sampling_seed, self.rule
     child.row_keys = sampler.per_row_keys(self.sampling_seed, np.asarray(row_ids))
     cache = sampler.fork_cache(self.cache, jnp.asarray(parents, jnp.int32),
@@ -714,6 +725,21 @@ class _ModelPolicy:
     child.cache, child.last_logits = sampler.extend(self.params, self.model_config, cache, tokens,
                                                     np.ones(len(tokens), np.int32))
     return child
+
+  def refresh(self, buffer: EpisodeBuffer, active) -> None:
+    """Takes a newer policy version from `source`, if there is one, for the turns to come; with
+    `reprefill` the cache of every row's tokens so far is computed again with it."""
+    newest = self.source() if self.source is not None else None
+    if newest is None or newest[1] <= self.version:
+      return
+    params, self.version = newest
+    self.params = prepare_decode_params(params, self.model_config)
+    if self.reprefill and active.any():
+      tokens, lengths = sampler.pad_rows(
+          [buffer.batch.tokens[r, :buffer.end[r]] for r in range(len(buffer.end))], minimum=8,
+          maximum=self.length)
+      self.cache, self.last_logits = sampler.prefill(self.params, self.model_config, tokens,
+                                                     lengths, self.length)
 
   def turn(self, states, active, budgets) -> _Turn:
     del states  # the model acts on its context only
@@ -746,8 +772,12 @@ class _ModelPolicy:
 class _ScriptedPolicy:
   """Turns from a host source `(states) -> [B] id lists` (see `collect`), clipped to the budgets."""
 
-  def __init__(self, source, config: RolloutConfig, codec):
+  def __init__(self, source, config: RolloutConfig, codec, version: int = 0):
     self.source, self.width, self.stop_ids = source, config.turn_tokens, tuple(codec.stop_token_ids)
+    self.version = version
+
+  def refresh(self, buffer: EpisodeBuffer, active) -> None:
+    """A scripted source has no parameters to update."""
 
   def turn(self, states, active, budgets) -> _Turn:
     turns, b = self.source(states), len(active)

@@ -34,16 +34,31 @@ Pieces (host threads around the same jitted sampler and update as the synchronou
   with the truncated weight `min(pi_prox / pi_behaviour, loss.tis_threshold)`), or the
   truncated-IS policy gradient against the behaviour log-probs (`tis`).
 
-Every episode is sampled by one policy version: continuing partial episodes across a weight
-update (per-token versions) is not implemented.
+- **Partial rollouts** (`rollout.continue_partial`). An actor's `collect` reads the newest
+  published (params, version) before every turn (`newest`), so an episode under way when the
+  learner publishes continues with the new policy; `EpisodeBatch.token_version` records the
+  version of every sampled token and `behavior_logprobs` are each token's sampler's. The filter
+  then weighs each token by its own lag, `update - token_version` (`token_staleness_weights`: an
+  episode's fresh tail is kept when its old head is dropped), and the proximal anchor's truncated
+  IS weight is per token as always. `rollout.partial_cache`: the cache of the tokens so far is
+  kept as the older parameters computed it ("keep": the behaviour log-probs after a switch are
+  those of the new parameters reading the old keys and values, as AReaL does) or computed again
+  with the new ones ("reprefill": exact, one prefill of every row's context per switch).
+  Admission is unchanged (by the version a batch starts with), so with `max_staleness = 0` no
+  version is published while a batch is sampled and the run still equals the synchronous one.
 
 Metrics of each update (`async/*`, merged into the update's `metrics.jsonl` line), over the batches
 the learner took since the previous update (the trained one and any dropped before it):
 `lag_mean`, `lag_max`, `lag_count/<i>` for lags `0..max_staleness` and `lag_count/stale` above it
 (episode counts), `dropped_episodes`, `dropped_episode_rate`, `dropped_episodes_total`,
-`weight_mean` (mean staleness weight of the trained rows), `queue_age_s` (mean time finished batches
+`weight_mean` (mean staleness weight of the trained rows; of their policy tokens with partial
+rollouts), `queue_age_s` (mean time finished batches
 waited in the queue), `batch_age_s` (from the trained batch's sampling start to its use),
 `queue_length` (finished batches left waiting), `learner_idle_s` (the learner waiting for a batch),
+`token_lag_mean` / `token_lag_max` (per sampled token), `partial_episodes` (episodes whose tokens
+come from more than one version), `sampled_length_mean` / `admitted_length_mean` (policy tokens per
+episode over every episode received, and over those the filter kept any token of: long episodes
+dropped more often than short ones show as the second below the first),
 `actor_idle_s` / `actor_busy_s` / `actor_idle_frac` (actor threads waiting for admission or queue
 space / sampling, summed over actors, since the previous update), `rollout_s` (the trained batch's
 sampling wall time) and `behavior_version`.
@@ -70,7 +85,7 @@ import numpy as np
 
 from longhorizon.train.metrics import Timer
 
-__all__ = ["AsyncRollouts", "staleness_weights", "lag_metrics"]
+__all__ = ["AsyncRollouts", "staleness_weights", "token_staleness_weights", "lag_metrics"]
 
 _JOIN_TIMEOUT_S = 600.0
 
@@ -91,6 +106,42 @@ def staleness_weights(lag, max_staleness: int, policy: str, stale_weight: float)
   if policy == "drop":
     return (over == 0).astype(np.float32)
   return np.power(np.float32(stale_weight), over).astype(np.float32)
+
+
+def token_staleness_weights(batch, update: int, max_staleness: int, policy: str,
+                            stale_weight: float) -> np.ndarray:
+  """`[B, L]` float32 weights of each policy token of `batch` by its own lag `update -
+  token_version` (`staleness_weights` per token; 1 off the loss mask, where nothing is trained)."""
+  version = np.asarray(batch.token_version, np.int64)
+  on = np.asarray(batch.loss_mask, bool)
+  lag = np.where(on, update - version, 0)
+  weights = staleness_weights(lag.reshape(-1), max_staleness, policy, stale_weight)
+  return weights.reshape(lag.shape)
+
+
+def _length_metrics(batch, kept, update: int) -> dict:
+  """One received batch's policy tokens per episode (over all its episodes, and over those `kept`,
+  `[B]` bool), the lags of its policy tokens, and its episodes whose tokens span several
+  versions."""
+  on = np.asarray(batch.loss_mask, bool)
+  tokens = on.sum(-1)
+  version = np.asarray(batch.token_version, np.int64)
+  newest = np.where(on, version, -1).max(-1)
+  oldest = np.where(on, version, np.iinfo(np.int64).max).min(-1)
+  return {"sampled": tokens, "admitted": tokens[kept], "token_lag": update - version[on],
+          "partial": int(np.sum(on.any(-1) & (newest > oldest)))}
+
+
+def _merge_lengths(parts: list[dict]) -> dict:
+  """The `async/` length, token-lag and partial-episode metrics of the batches in `parts`."""
+  cat = lambda name: np.concatenate([p[name] for p in parts]) if parts else np.zeros(0)
+  mean = lambda x: float(np.mean(x)) if x.size else 0.0
+  token_lag = cat("token_lag")
+  return {"async/sampled_length_mean": mean(cat("sampled")),
+          "async/admitted_length_mean": mean(cat("admitted")),
+          "async/token_lag_mean": mean(token_lag),
+          "async/token_lag_max": float(token_lag.max()) if token_lag.size else 0.0,
+          "async/partial_episodes": float(sum(p["partial"] for p in parts))}
 
 
 def lag_metrics(lags, max_staleness: int) -> dict:
@@ -159,6 +210,7 @@ class AsyncRollouts:
     self.queue_size = int(r.queue_size)
     self.stale_policy = str(r.stale_policy)
     self.stale_weight = float(r.stale_weight)
+    self.continue_partial = bool(r.continue_partial)
     self._num_tasks = int(r.num_tasks)
     self._last_update = last_update
     self._env_step_hook = env_step_hook
@@ -234,8 +286,10 @@ class AsyncRollouts:
             started = self._clock()
             self._actor_idle += started - waited
           hook = self._env_step_hook(index) if self._env_step_hook is not None else None
-          batch, stats = self._learner.collect_batch(params, index, self.position(index), Timer(),
-                                                     policy_version=version, on_env_step=hook)
+          partial = {"params_source": self.newest} if self.continue_partial else {}
+          batch, stats = self._learner.collect_batch(
+              params, index, self.position(index), Timer(), policy_version=version,
+              on_env_step=hook, **partial)
           finished = self._clock()
           item = _Item(index=index, version=version, batch=batch, stats=stats, actor=actor,
                        started=started, rollout_s=finished - started)
@@ -255,6 +309,11 @@ class AsyncRollouts:
 
   # -------------------------------------------------------------------------------------- learner
 
+  def newest(self) -> tuple[Any, int]:
+    """The newest published `(params, version)` (what partial rollouts switch to)."""
+    with self._cv:
+      return self._params, self._version
+
   def publish(self, params, version: int):
     """Makes a copy of `params` the newest policy, `version` (the updates applied)."""
     copy = _copy(params)
@@ -265,10 +324,11 @@ class AsyncRollouts:
   def take(self, update: int) -> tuple[_Item, np.ndarray, dict]:
     """Waits for the next usable batch for update `update` (learner version `update`).
 
-    Returns `(item, row_scale [B], metrics)`; batches whose episodes are all dropped are discarded
-    on the way (and counted)."""
+    Returns `(item, scale, metrics)`, `scale` the `[B]` row weights (with partial rollouts the
+    `[B, L]` token weights); batches whose episodes are all dropped are discarded on the way (and
+    counted)."""
     waited = self._clock()
-    lags, ages, received, dropped = [], [], 0, 0
+    lags, ages, lengths, received, dropped = [], [], [], 0, 0
     while True:
       with self._cv:
         self._cv.wait_for(lambda: self._queue or self._error is not None or self._stop)
@@ -281,8 +341,8 @@ class AsyncRollouts:
         # see the batch neither pending nor taken and start one version too early.
         item = self._queue.popleft()
         lag = update - np.asarray(item.batch.policy_version, np.int64)
-        scale = staleness_weights(lag, self.max_staleness, self.stale_policy, self.stale_weight)
-        usable = bool(scale.any())
+        scale, kept = self._weights(item.batch, lag, update)
+        usable = bool(kept.any())
         self._pending -= 1
         if usable:
           self._taken += 1
@@ -296,16 +356,19 @@ class AsyncRollouts:
       received += lag.size
       self.next_batch = max(self.next_batch, item.index + 1)
       self.data_position = self.position(self.next_batch)
-      dropped += int(np.sum(scale == 0))
+      dropped += int(np.sum(~kept))
+      lengths.append(_length_metrics(item.batch, kept, update))
       if usable:
         break
     self.dropped_total += dropped
     metrics = lag_metrics(lags, self.max_staleness)
+    metrics.update(_merge_lengths(lengths))
     metrics.update({
         "async/dropped_episodes": float(dropped),
         "async/dropped_episode_rate": dropped / max(received, 1),
         "async/dropped_episodes_total": float(self.dropped_total),
-        "async/weight_mean": float(scale.mean()),
+        "async/weight_mean": float(scale.mean() if scale.ndim == 1 else
+                                   scale[np.asarray(item.batch.loss_mask, bool)].mean()),
         "async/queue_age_s": float(np.mean(ages)),
         "async/batch_age_s": taken - item.started,
         "async/queue_length": float(queue_length),
@@ -317,6 +380,17 @@ class AsyncRollouts:
         "async/behavior_version": float(item.version),
     })
     return item, scale, metrics
+
+  def _weights(self, batch, lag, update: int) -> tuple[np.ndarray, np.ndarray]:
+    """`(scale, kept)`: the staleness weights of `batch` taken at `update` (`[B]` by the episodes'
+    `lag`, or with partial rollouts `[B, L]` by each token's), and `[B]` the episodes that keep
+    any weight."""
+    if not self.continue_partial:
+      scale = staleness_weights(lag, self.max_staleness, self.stale_policy, self.stale_weight)
+      return scale, scale > 0
+    scale = token_staleness_weights(batch, update, self.max_staleness, self.stale_policy,
+                                    self.stale_weight)
+    return scale, (np.where(np.asarray(batch.loss_mask, bool), scale, 0) > 0).any(-1)
 
   def step(self, state, update: int, timer: Timer, hook=None, on_batch=None):
     """One asynchronous RL update: the next usable batch, the learner's `learn`, publish.

@@ -347,13 +347,15 @@ class Learner:
 
   def collect_batch(self, params, update: int, data_position: int, timer: Timer,
                     task_indices=None, *, policy_version: int | None = None, on_env_step=None,
-                    step_budget: int | None = None):
+                    step_budget: int | None = None, params_source=None):
     """The rollout half of RL update `update`: `(EpisodeBatch, RolloutStats)` sampled with
     `params`. Tasks are the next `num_tasks` train tasks from `data_position`, or `task_indices`
     (curriculum). In a multi-host run each process collects its share and all get the whole batch.
     Environment keys, sampling seed and group labels derive from `update`; `policy_version`
     (default `update`) is recorded on every episode; `on_env_step` goes to `rollout.collect`;
-    `step_budget` (a horizon curriculum's) truncates episodes sooner than `env.max_steps`."""
+    `step_budget` (a horizon curriculum's) truncates episodes sooner than `env.max_steps`;
+    `params_source` (the async pipeline's newest published policy, with
+    `rollout.continue_partial`) goes to `rollout.collect` with `rollout.partial_cache`."""
     c, n = self.config, self.rollout.num_tasks
     starts = self._recovery_starts()
     fresh = n - (len(starts) if starts is not None else 0)
@@ -362,6 +364,9 @@ class Learner:
     else:
       tasks = task_suites.stack(self.train_tasks, list(task_indices)[:fresh])
     extra = {} if on_env_step is None else {"on_env_step": on_env_step}
+    if params_source is not None:
+      extra.update(params_source=params_source,
+                   reprefill=self.rollout.partial_cache == "reprefill")
     rc = self.rollout.collect_config(
         c.env.max_steps, branch=True,
         record_oracle=self.rollout.record_oracle or self.algorithm.step_verifier == "oracle",
@@ -421,7 +426,8 @@ class Learner:
     """The learning half of an RL update on `batch` (from `collect_batch`): the proximal,
     reference and critic passes, the advantages and the jitted update. Returns `(state,
     metrics)`; `state` is donated. `row_scale` (`[B]`, optional) multiplies the row weights: the
-    async learner's staleness filter (0 drops an episode, < 1 down-weights it)."""
+    async learner's staleness filter (0 drops an episode, < 1 down-weights it); a `[B, L]` one
+    weighs each token instead (the filter with partial rollouts, by each token's own lag)."""
     with timer("update"):
       db = to_device(self.trimmed(batch))
       if self.mesh is not None:  # data-parallel inputs: rows split over (data, fsdp)
@@ -485,11 +491,14 @@ class Learner:
       trunk = (state.params,) if self.shared_critic else ()
       values = _critic_values(state.critic_params, self.model_config, db, *trunk)
     adv = compute_advantages(db, values, self.algorithm, entropy)
-    row_weight = adv.row_weight
-    if row_scale is not None:
+    row_weight, token_weight = adv.row_weight, None
+    if row_scale is not None and np.ndim(row_scale) == 2:  # per-token (partial rollouts)
+      token_weight = jnp.asarray(row_scale, jnp.float32)[:, :db.tokens.shape[1]]
+    elif row_scale is not None:
       row_weight = row_weight * jnp.asarray(row_scale, row_weight.dtype)
     ref_logp = self.reference_logprobs(state, db)
-    return LearnInputs(adv.advantages, adv.returns, row_weight, old_logp, ref_logp, values)
+    return LearnInputs(adv.advantages, adv.returns, row_weight, old_logp, ref_logp, values,
+                       token_weight)
 
   def update(self, state: TrainState, db, inputs: LearnInputs):
     """The jitted update on the device batch `db` with its `inputs` (`learn_inputs`): `(state,

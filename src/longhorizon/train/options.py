@@ -191,6 +191,13 @@ class RolloutOptions(Options):
   recovery_groups: int = option(0, range=NON_NEGATIVE_INT)
   recovery_from: str = option("first_divergence", choices=lambda: RECOVERY_FROM)
   recovery_capacity: int = option(64, range=COUNT)
+  # Partial rollouts across weight updates (async only): an actor's episodes take the newest
+  # published policy at every turn, so an episode under way when the learner updates continues
+  # with the new parameters; EpisodeBatch.token_version records each token's version and the
+  # staleness filter weighs tokens by their own lag. partial_cache: the KV cache of the tokens so
+  # far is kept as the older parameters computed it ("keep") or recomputed ("reprefill").
+  continue_partial: bool = option(False)
+  partial_cache: str = option("keep", choices=("keep", "reprefill"))
 
   def check(self):
     if self.group_size % (1 + self.branch_k):
@@ -199,6 +206,10 @@ class RolloutOptions(Options):
     if self.recovery_groups >= self.num_tasks:
       fail("rollout.recovery_groups", self.recovery_groups, f"below rollout.num_tasks="
            f"{self.num_tasks} (fresh tasks are where new recovery starts come from)")
+    if self.continue_partial and self.mode != "async":
+      fail("rollout.continue_partial", True, "False with rollout.mode='sync' (a synchronous batch "
+           "is sampled by one policy version; partial rollouts continue across the async "
+           "learner's updates)")
     if self.recovery_groups and self.mode == "async":
       fail("rollout.recovery_groups", self.recovery_groups, "0 with rollout.mode='async' (the "
            "starts are kept by the learner's collect)")

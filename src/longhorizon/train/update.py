@@ -179,12 +179,16 @@ class LearnInputs(NamedTuple):
   old_logp: jax.Array  # the loss's anchor: proximal or behaviour log-probs
   ref_logp: jax.Array | None  # the KL reference's log-probs
   old_values: jax.Array | None  # critic values at rollout time
+  # [B, L] float32 per-token weights (the async staleness filter with partial rollouts), or None
+  token_weight: jax.Array | None = None
 
 
 def _prepare(batch: EpisodeBatch, x: LearnInputs, loss: LossOptions) -> dict:
   """The scanned data: the row-weighted loss mask, inputs zeroed off it (so a NaN there cannot
   poison the gradient) and the truncated-IS weights of a proximal anchor."""
   mask = jnp.asarray(batch.loss_mask, jnp.float32) * x.row_weight[:, None]
+  if x.token_weight is not None:
+    mask = mask * x.token_weight
   on = mask > 0
   old_logp = jnp.where(on, x.old_logp, 0.0)
   ref_logp = None if x.ref_logp is None else jnp.where(on, x.ref_logp, 0.0)
