@@ -367,18 +367,30 @@ def sft_update(state: TrainState, batch: EpisodeBatch, *, config: ModelConfig, o
 
   def step(state, xs):
     rows, dropout_rng = xs
-    mb, mb_mask = _slice_rows(batch, rows), mask[rows]
-    trainable, frozen = lora.partition(state.params, config)
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        trainable, frozen, mb, mb_mask, dropout_rng)
-    ok = jnp.isfinite(loss) & _finite(grads)
-    trainable, opt_state = _apply(optimizer, trainable, state.opt_state, grads, ok)
-    state = state.replace(params=lora.combine(trainable, frozen), opt_state=opt_state,
-                          step=state.step + 1, skipped=state.skipped + (~ok).astype(jnp.int32))
-    return state, dict(metrics, loss=loss, grad_norm=_norm(grads))
+    return _trainable_step(state, loss_fn, (_slice_rows(batch, rows), mask[rows], dropout_rng),
+                           config=config, optimizer=optimizer)
 
+  return _scan_minibatches(state, step, b, minibatches, config)
+
+
+def _trainable_step(state: TrainState, loss_fn, args, *, config: ModelConfig, optimizer):
+  """One optimiser step of `loss_fn(trainable, frozen, *args) -> (loss, metrics)` on the trainable
+  part of `state.params` (with LoRA the adapters), skipped (and counted) when the loss or the
+  gradient is not finite. Returns `(state, metrics + loss, grad_norm)`."""
+  trainable, frozen = lora.partition(state.params, config)
+  (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable, frozen, *args)
+  ok = jnp.isfinite(loss) & _finite(grads)
+  trainable, opt_state = _apply(optimizer, trainable, state.opt_state, grads, ok)
+  state = state.replace(params=lora.combine(trainable, frozen), opt_state=opt_state,
+                        step=state.step + 1, skipped=state.skipped + (~ok).astype(jnp.int32))
+  return state, dict(metrics, loss=loss, grad_norm=_norm(grads))
+
+
+def _scan_minibatches(state: TrainState, step, n: int, minibatches: int, config: ModelConfig):
+  """`step(state, (indices, dropout key))` over `minibatches` slices of a permutation of `range(n)`
+  drawn from the state's rng; returns `(state, metrics averaged over the steps)`."""
   rng, key = jax.random.split(state.rng)
-  order = jax.random.permutation(key, b).reshape(minibatches, b // minibatches)
+  order = jax.random.permutation(key, n).reshape(minibatches, n // minibatches)
   state, metrics = jax.lax.scan(step, state, (order, _dropout_keys(key, minibatches, config)))
   return state.replace(rng=rng), jax.tree.map(jnp.mean, metrics)
 
@@ -418,16 +430,8 @@ def dpo_update(state: TrainState, batch: EpisodeBatch, masks, ref_logp, *, confi
   def step(state, xs):
     pairs, dropout_rng = xs
     rows = jnp.concatenate([pairs, pairs + p])
-    trainable, frozen = lora.partition(state.params, config)
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        trainable, frozen, _slice_rows(batch, rows), masks[rows], ref_logp[rows], dropout_rng)
-    ok = jnp.isfinite(loss) & _finite(grads)
-    trainable, opt_state = _apply(optimizer, trainable, state.opt_state, grads, ok)
-    state = state.replace(params=lora.combine(trainable, frozen), opt_state=opt_state,
-                          step=state.step + 1, skipped=state.skipped + (~ok).astype(jnp.int32))
-    return state, dict(metrics, loss=loss, grad_norm=_norm(grads))
+    return _trainable_step(
+        state, loss_fn, (_slice_rows(batch, rows), masks[rows], ref_logp[rows], dropout_rng),
+        config=config, optimizer=optimizer)
 
-  rng, key = jax.random.split(state.rng)
-  order = jax.random.permutation(key, p).reshape(minibatches, p // minibatches)
-  state, metrics = jax.lax.scan(step, state, (order, _dropout_keys(key, minibatches, config)))
-  return state.replace(rng=rng), jax.tree.map(jnp.mean, metrics)
+  return _scan_minibatches(state, step, p, minibatches, config)
