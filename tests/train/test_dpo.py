@@ -108,6 +108,7 @@ def _demo_store(learner, path, tasks: int = 16, group: int = 4):
   return batch
 
 
+@pytest.mark.slow
 def test_stage_reads_another_store_and_reports_in_eval_json(tmp_path, smoke_config):
   config = smoke_config(tmp_path, **{"num_updates": 0, "dpo.steps": 3, "dpo.learning_rate": 1e-2,
                                      "dpo.store": str(tmp_path / "demos"), "dpo.sft_weight": 0.5})
