@@ -67,7 +67,7 @@ def test_lag_metrics_by_hand():
     ({"rollout.stale_weight": 0.0}, "config.rollout.stale_weight=0.0"),
     ({"loss.name": "vtrace"}, "config.loss.name='vtrace'"),
     ({"loss.name": "tis"}, "config.loss.tis_threshold=0.0"),
-    ({"rollout.mode": "async", "curriculum.num_buckets": 2}, "with rollout.mode='async'"),
+    ({"rollout.mode": "async", "curriculum.step_budgets": (2, 4)}, "with rollout.mode='async'"),
     ({"rollout.continue_partial": True}, "config.rollout.continue_partial=True"),
     ({"rollout.mode": "async", "rollout.partial_cache": "drop"},
      "config.rollout.partial_cache='drop'"),
@@ -290,6 +290,27 @@ def test_async_with_max_staleness_zero_equals_sync_through_a_resume(tmp_path):
   assert all(r["async/lag_max"] == 0 and r["async/dropped_episodes"] == 0 for r in rows)
   with open(tmp_path / "sync" / "eval.json") as f:
     assert json.load(f)["success_rate"] == result["success_rate"]
+
+
+@pytest.mark.slow
+def test_async_with_a_curriculum_equals_sync_through_a_resume(tmp_path):
+  """The task curriculum with async rollouts: the actors draw each batch's tasks, the learner feeds
+  the success back before publishing, and the checkpoint keeps the cursor of the newest batch
+  taken, so with max_staleness 0 every update's tasks, metrics and curriculum state equal the
+  synchronous run's, across a stop and resume."""
+  changes = {"reward.invalid": 0.1, "num_updates": 3, "checkpoint_every": 1,
+             "eval.num_tasks": 8, "tensorboard": False, "curriculum.num_buckets": 2,
+             # gridworld: tasks of several shortest-path lengths, so both buckets have tasks
+             "env.name": "gridworld", "env.max_steps": 6, "rollout.context_length": 256,
+             "env.params": {"size": 4, "num_walls": 1, "num_holes": 0, "key_door": False}}
+  loop.train_and_evaluate(_config(tmp_path, **changes), str(tmp_path / "sync"))
+  expected = read_metrics(str(tmp_path / "sync"))
+  assert all(0 < r["curriculum/prob_0"] < 1 for r in expected)
+  async_changes = dict(changes, **{"rollout.mode": "async", "rollout.max_staleness": 0})
+  loop.train_and_evaluate(_config(tmp_path, **dict(async_changes, num_updates=2)),
+                          str(tmp_path / "async"))
+  loop.train_and_evaluate(_config(tmp_path, **async_changes), str(tmp_path / "async"))
+  assert _comparable(read_metrics(str(tmp_path / "async"))) == _comparable(expected)
 
 
 @pytest.fixture(scope="module")

@@ -63,6 +63,11 @@ dropped more often than short ones show as the second below the first),
 space / sampling, summed over actors, since the previous update), `rollout_s` (the trained batch's
 sampling wall time) and `behavior_version`.
 
+- **Task curriculum** (`curriculum.num_buckets`): an actor draws batch `k`'s tasks from the
+  curriculum when it starts it, with the synchronous loop's generator for update `k`; the learner
+  feeds the batch's per-task success back before it publishes the next version, so with
+  `max_staleness = 0` each draw sees what the synchronous run's would.
+
 Checkpoints: the learner's state and, in the meta, `data_position` and `next_batch` (the batch
 index after the newest batch taken). Resuming restarts the actors from the checkpointed parameters
 at `next_batch`; batches that were queued or being sampled when the run stopped are discarded and
@@ -83,6 +88,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from longhorizon.train.curriculum import draw_tasks
 from longhorizon.train.metrics import Timer
 
 __all__ = ["AsyncRollouts", "staleness_weights", "token_staleness_weights", "lag_metrics"]
@@ -171,6 +177,7 @@ class _Item:
   started: float  # clock at the start of sampling
   rollout_s: float  # sampling wall time
   ready: float = 0.0  # clock when it entered the queue
+  drawn: Any = None  # the curriculum's (task indices, buckets, cursor after), or None
 
 
 class AsyncRollouts:
@@ -188,12 +195,19 @@ class AsyncRollouts:
     env_step_hook: optional `k -> on_env_step` giving batch `k`'s host hook for `rollout.collect`
       (the benchmark's simulated tool latency).
     clock: seconds, monotonic (tests may pass a fake one).
+    curriculum, buckets, seed: a task curriculum (`train/curriculum.py`), its bucket index arrays
+      and the run's seed: an actor draws batch `k`'s tasks from it when it starts the batch (with
+      `default_rng([seed, k])`, as the synchronous loop draws update `k`'s), and `step` feeds the
+      batch's task success back before publishing, so with `max_staleness = 0` every draw sees
+      the curriculum the synchronous run's would. `curriculum_state` is its checkpointable state
+      as of the newest batch taken.
   """
 
   def __init__(self, learner, params, *, version: int, first_batch: int, data_position: int,
                last_update: int | None = None,
                env_step_hook: Callable[[int], Callable | None] | None = None,
-               clock: Callable[[], float] = time.perf_counter):
+               clock: Callable[[], float] = time.perf_counter, curriculum=None, buckets=None,
+               seed: int = 0):
     r = learner.rollout
     if jax.process_count() > 1:
       raise ValueError("config.rollout.mode='async' runs in one JAX process; multi-host runs use "
@@ -227,6 +241,8 @@ class AsyncRollouts:
     self._threads: list[threading.Thread] = []
     self._actor_idle = self._actor_busy = 0.0
     self.dropped_total = 0
+    self._curriculum, self._buckets, self._seed = curriculum, buckets, int(seed)
+    self.curriculum_state = None if curriculum is None else curriculum.state_dict()
     self.next_batch = int(first_batch)  # the batch after the newest one taken (checkpoint meta)
     self.data_position = int(data_position)  # its train-task position (checkpoint meta)
 
@@ -283,16 +299,17 @@ class AsyncRollouts:
             index, self._next_index = self._next_index, self._next_index + 1
             self._pending += 1
             params, version = self._params, self._version
+            drawn = self._draw(index)
             started = self._clock()
             self._actor_idle += started - waited
           hook = self._env_step_hook(index) if self._env_step_hook is not None else None
           partial = {"params_source": self.newest} if self.continue_partial else {}
           batch, stats = self._learner.collect_batch(
-              params, index, self.position(index), Timer(), policy_version=version,
-              on_env_step=hook, **partial)
+              params, index, self.position(index), Timer(),
+              drawn and drawn[0], policy_version=version, on_env_step=hook, **partial)
           finished = self._clock()
           item = _Item(index=index, version=version, batch=batch, stats=stats, actor=actor,
-                       started=started, rollout_s=finished - started)
+                       started=started, rollout_s=finished - started, drawn=drawn)
           with self._cv:
             self._actor_busy += finished - started
             self._cv.wait_for(lambda: self._stop or len(self._queue) < self.queue_size)
@@ -306,6 +323,27 @@ class AsyncRollouts:
       with self._cv:
         self._error = (actor, e)
         self._cv.notify_all()
+
+  def _draw(self, index: int):
+    """Batch `index`'s `(task indices, their buckets, cursor after)` from the curriculum (None
+    without one). Called under the lock."""
+    if self._curriculum is None:
+      return None
+    indices, buckets, cursor = draw_tasks(self._curriculum, self._buckets,
+                                          np.random.default_rng([self._seed, index]),
+                                          self._num_tasks, self._curriculum.cursor)
+    self._curriculum.cursor = cursor
+    return indices, buckets, cursor.copy()
+
+  def _observe(self, item: "_Item", task_success) -> None:
+    """Feeds a trained batch's per-task success back to the curriculum (before the next version
+    is published) and records the checkpointable state, with the cursor as of that batch."""
+    if self._curriculum is None:
+      return
+    with self._cv:
+      self._curriculum.update(item.drawn[1], task_success)
+      self.curriculum_state = dict(self._curriculum.state_dict(),
+                                   cursor=[int(x) for x in item.drawn[2]])
 
   # -------------------------------------------------------------------------------------- learner
 
@@ -404,6 +442,7 @@ class AsyncRollouts:
       row_scale = None if np.all(scale == 1) else scale
       state, metrics = self._learner.learn(state, item.batch, item.stats, timer,
                                            row_scale=row_scale)
+      self._observe(item, metrics["_task_success"])
       self.publish(state.params, update + 1)
       if on_batch is not None:
         on_batch(item.batch, item.stats)

@@ -270,10 +270,6 @@ def _check_off_policy(config):
     _fail("curriculum.step_budgets", tuple(config.curriculum.step_budgets),
           "() with rollout.mode='async' (the budget grows with the learner's success, which the "
           "actors run ahead of)")
-  if config.rollout.mode == "async" and config.curriculum.num_buckets:
-    _fail("curriculum.num_buckets", config.curriculum.num_buckets,
-          "0 with rollout.mode='async' (the curriculum draws tasks from the learner's latest "
-          "success estimates, which the actors run ahead of)")
   for path, value in (("curriculum.num_buckets", config.curriculum.num_buckets),
                       ("curriculum.step_budgets", tuple(config.curriculum.step_budgets))):
     if config.rollout.recovery_groups and value:

@@ -302,13 +302,14 @@ def _train_and_evaluate(s: Learner, config, workdir: str, *, hook=None, init_fro
     # resumed run restarts them from the checkpointed parameters at the checkpointed batch.
     pipeline = AsyncRollouts(s, state.params, version=start,
                              first_batch=int(meta.get("next_batch", start)),
-                             data_position=data_position, last_update=config.num_updates).start()
+                             data_position=data_position, last_update=config.num_updates,
+                             curriculum=curriculum, buckets=buckets, seed=config.seed).start()
   for update in range(start, config.num_updates):
     timer.reset()
     started = time.perf_counter()
     hook("rollout", update)
     task_indices = task_buckets = None
-    if curriculum is not None:
+    if curriculum is not None and pipeline is None:  # (async: the actors draw, `AsyncRollouts`)
       task_indices, task_buckets, curriculum.cursor = draw_tasks(
           curriculum, buckets, np.random.default_rng([config.seed, update]),
           config.rollout.num_tasks, curriculum.cursor)
@@ -319,9 +320,11 @@ def _train_and_evaluate(s: Learner, config, workdir: str, *, hook=None, init_fro
       state, metrics = pipeline.step(state, update, timer, hook, on_batch=store_batch(update))
     task_success = metrics.pop("_task_success")
     if curriculum is not None:
-      curriculum.update(task_buckets, task_success)
+      if pipeline is None:
+        curriculum.update(task_buckets, task_success)
       metrics.update(curriculum.metrics())
-      meta = dict(meta, curriculum=curriculum.state_dict())
+      meta = dict(meta, curriculum=curriculum.state_dict() if pipeline is None
+                  else pipeline.curriculum_state)
     if horizon is not None:
       metrics.update(horizon.metrics())  # the budget this update ran with
       horizon.update(metrics["success_rate"])
