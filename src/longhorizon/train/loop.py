@@ -318,17 +318,7 @@ def _train_and_evaluate(s: Learner, config, workdir: str, *, hook=None, init_fro
                               step_budget=horizon and horizon.budget, on_batch=store_batch(update))
     else:
       state, metrics = pipeline.step(state, update, timer, hook, on_batch=store_batch(update))
-    task_success = metrics.pop("_task_success")
-    if curriculum is not None:
-      if pipeline is None:
-        curriculum.update(task_buckets, task_success)
-      metrics.update(curriculum.metrics())
-      meta = dict(meta, curriculum=curriculum.state_dict() if pipeline is None
-                  else pipeline.curriculum_state)
-    if horizon is not None:
-      metrics.update(horizon.metrics())  # the budget this update ran with
-      horizon.update(metrics["success_rate"])
-      meta = dict(meta, horizon=horizon.state_dict())
+    meta = _update_curricula(curriculum, horizon, pipeline, task_buckets, metrics, meta)
     if pipeline is None:
       data_position += config.rollout.num_tasks
     else:
@@ -358,6 +348,25 @@ def _train_and_evaluate(s: Learner, config, workdir: str, *, hook=None, init_fro
   result = _final_evaluation(s, config, workdir, state.params, meta)
   checkpointer.close()
   return result
+
+
+def _update_curricula(curriculum, horizon, pipeline, task_buckets, metrics: dict,
+                      meta: dict) -> dict:
+  """After an update: feeds its per-task success (popped from `metrics`) to the task curriculum
+  (the async pipeline has already, before publishing) and its success to the horizon curriculum,
+  adds their metrics, and returns `meta` with their checkpointable states."""
+  task_success = metrics.pop("_task_success")
+  if curriculum is not None:
+    if pipeline is None:
+      curriculum.update(task_buckets, task_success)
+    metrics.update(curriculum.metrics())
+    meta = dict(meta, curriculum=curriculum.state_dict() if pipeline is None
+                else pipeline.curriculum_state)
+  if horizon is not None:
+    metrics.update(horizon.metrics())  # the budget this update ran with
+    horizon.update(metrics["success_rate"])
+    meta = dict(meta, horizon=horizon.state_dict())
+  return meta
 
 
 def trajectory_store(config, workdir: str):
