@@ -21,7 +21,7 @@ import ml_collections
 from longhorizon.envs import RewardSpec
 from longhorizon.models import sharding
 from longhorizon.train.algorithms import AlgorithmOptions
-from longhorizon.train.options import (OptimOptions, PoolOptions, PreferenceOptions,
+from longhorizon.train.options import (ContextOptions, OptimOptions, PoolOptions, PreferenceOptions,
                                        RolloutOptions, as_config)
 from longhorizon.train.policy_losses import LossOptions
 
@@ -111,6 +111,11 @@ def get_config(arg=None):
   # threads or processes, per-call timeout, retries, rate limits, circuit breaker, call recording).
   # JAX environments ignore it.
   config.pool = as_config(PoolOptions)
+  # Context management of long episodes (`longhorizon.train.options.ContextOptions`,
+  # `longhorizon/rollout/context.py`): full | window (prompt + the last `keep` turns) | summary
+  # (the environment's state summary), a new segment every `every` steps or when the context is
+  # full; each segment trains as its own row of exactly the tokens the policy saw.
+  config.context = as_config(ContextOptions)
 
   # SFT warm start on oracle episodes (steps = 0: no warm start).
   config.sft = ml_collections.ConfigDict()

@@ -212,7 +212,7 @@ def _from_workdir(workdir: str) -> _Evaluation:
   temperature = _TEMPERATURE.value if _TEMPERATURE.value is not None else config.rollout.temperature
   return _Evaluation(
       env=s.env, codec=s.codec, source=s.eval_tasks.get(split, s.train_tasks),
-      rollout_config=s.rollout.collect_config(config.env.max_steps, temperature=temperature),
+      rollout_config=s.collect_config(temperature=temperature),
       policy={"params": state.params, "model_config": s.model_config},
       defaults={"split": split, "k": config.eval.k, "num_tasks": config.eval.num_tasks,
                 "seed": loop.eval_seed(config), "env": config.env.name,

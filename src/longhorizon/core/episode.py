@@ -22,8 +22,9 @@ import numpy as np
 
 from longhorizon.core import advantages as _advantages
 
-__all__ = ["EpisodeBatch", "Termination", "RECOVERY", "bucket_length", "empty", "to_device", "trim",
-           "used_length", "place_step_rewards", "broadcast_steps"]
+__all__ = ["EpisodeBatch", "Termination", "RECOVERY", "bucket_length", "empty", "episodes_only",
+           "join_segments", "num_episodes", "to_device", "trim", "used_length",
+           "place_step_rewards", "broadcast_steps"]
 
 # Re-exported: the two step <-> token helpers belong with the data model as much as with the math.
 place_step_rewards = _advantages.place_step_rewards
@@ -110,6 +111,13 @@ class EpisodeBatch:
   # before it holds as copies with loss_mask 0 (that batch trained on them).
   parent: Any = _array("B", np.int32, fill=-1)
   branch_step: Any = _array("B", np.int32, fill=-1)
+  # Context segments (`config.context.mode` window / summary, `rollout/context.py`): an episode
+  # whose context was rewritten is held as several rows, each the exact tokens the policy saw in
+  # one segment of it. -1 on the row of the episode's last (or only) segment, which all the step-
+  # and episode-level fields describe; on an earlier segment's row, the index of that last
+  # segment's row, whose step- and episode-level fields it repeats (it trains on its own tokens
+  # with the episode's return, group and step credit). Rows with no attended token pad the batch.
+  segment_of: Any = _array("B", np.int32, fill=-1)
   reward_components: Mapping[str, Any] = flax.struct.field(default_factory=dict)  # name -> [B] float32
   # Mixture-of-experts policies: `[B, L, layers, k]` int32, the experts the sampler routed each token
   # to (0 on padding); the learner replays them (routing replay, R3). None otherwise.
@@ -177,8 +185,13 @@ class EpisodeBatch:
     _check((step_mask == (np.arange(s)[None] < num_steps[:, None])).all(), "step_mask",
            "is not a prefix of steps (1 for the first num_steps steps, 0 after)")
     _check_tree(fields["parent"], fields["branch_step"], fields["num_steps"])
+    segment_of = fields["segment_of"]
+    _check_segments(fields)
     policy_turn = np.where(loss_mask, turn, -1)
     has_tokens = (policy_turn[:, :, None] == np.arange(s)[None, None]).any(1)  # [B, S]
+    earlier = np.flatnonzero(segment_of >= 0)  # an episode's steps' tokens are in all its rows
+    np.logical_or.at(has_tokens, segment_of[earlier], has_tokens[earlier])
+    has_tokens[earlier] = has_tokens[segment_of[earlier]]
     own = np.arange(s)[None, :] >= fields["branch_step"][:, None]  # a branch's copies have none
     _check(not (step_mask & own & ~has_tokens).any(), "step_mask",
            "marks a step without any policy token")
@@ -246,10 +259,57 @@ def _check_tree(parent, branch_step, num_steps):
 # `EpisodeBatch.parent` of a recovery episode: started from an earlier batch's saved state.
 RECOVERY = -2
 
+# The step- and episode-level fields an earlier segment's row repeats from its episode's last.
+_EPISODE_FIELDS = tuple(name for name, spec in _SCHEMA.items()
+                        if "L" not in spec.dims and name != "segment_of")
+
+
+def _check_segments(fields):
+  """Context segments: an earlier segment points to a last-segment row (segment_of -1) and repeats
+  its step- and episode-level fields."""
+  segment_of = fields["segment_of"]
+  b, earlier = len(segment_of), np.flatnonzero(segment_of >= 0)
+  _check(((segment_of >= -1) & (segment_of < b)).all(), "segment_of", "has values outside [-1, B)")
+  if not len(earlier):
+    return
+  last = segment_of[earlier]
+  _check((segment_of[last] == -1).all(), "segment_of",
+         "points to a row that is itself an earlier segment (not its episode's last)")
+  for name in _EPISODE_FIELDS:
+    _check(np.array_equal(fields[name][earlier], fields[name][last]), name,
+           "differs between an earlier context segment's row and its episode's last segment")
+
 
 def _check(ok, field, problem):
   if not ok:
     raise ValueError(f"EpisodeBatch.{field} {problem}.")
+
+
+def num_episodes(batch: EpisodeBatch) -> int:
+  """Episodes in `batch`: its rows less the earlier context segments (`segment_of >= 0`), which
+  come after every episode's last-segment row (`join_segments`)."""
+  return int(np.sum(np.asarray(batch.segment_of) < 0))
+
+
+def episodes_only(batch: EpisodeBatch) -> EpisodeBatch:
+  """`batch` without the rows of earlier context segments: one row per episode (host)."""
+  n = num_episodes(batch)
+  if n == batch.batch_size:
+    return batch
+  return jax.tree.map(lambda x: np.asarray(x)[:n], batch)
+
+
+def join_segments(batch: EpisodeBatch, segments: EpisodeBatch | None) -> EpisodeBatch:
+  """The training rows of a segmented rollout: `batch` (one row per episode, its last context
+  segment) followed by `segments` (`RolloutStats.segments`: the earlier segments, `segment_of`
+  indexing `batch`'s rows). `batch` itself when `segments` is None (`context.mode` full)."""
+  if segments is None:
+    return batch
+  if batch.routing is not None or segments.routing is not None:
+    raise ValueError("join_segments: context segments of a mixture-of-experts policy with "
+                     "routing replay are not supported (the re-prefilled segments' routing is not "
+                     "recorded).")
+  return jax.tree.map(lambda a, b: np.concatenate([np.asarray(a), np.asarray(b)]), batch, segments)
 
 
 def used_length(batch: EpisodeBatch) -> int:

@@ -126,6 +126,16 @@ class Environment(abc.ABC):
     """Every word `system_text`, `task_text` and `observation_text` write in compact style
     (tool names, argument values and the codec's own words are added by the codec)."""
 
+  def state_text(self, task: Any, inner: Any, style: str) -> str:
+    """A summary of one (unbatched, NumPy) state, written in the task's place when
+    `context.mode='summary'` rewrites the context (`rollout/context.py`): what the policy needs to
+    go on from that state as from a fresh task, in the words of `vocabulary()`. Environments
+    without one raise."""
+    del task, inner, style
+    raise NotImplementedError(
+        f"environment {self.name!r} has no state summary (Environment.state_text), which "
+        f"context.mode='summary' needs; use context.mode='window' or implement it.")
+
   def codec(self, tokenizer=None, style: str = "compact"):
     """The text codec for `tokenizer` (None: this environment's default) and `style`."""
     return Codec(self, tokenizer, style)

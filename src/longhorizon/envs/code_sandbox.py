@@ -582,8 +582,9 @@ class _Run:
   """What one sandboxed run gave: per-case results, or why there are none."""
 
   def __init__(self, results: list | None = None, timed_out: bool = False, exit_code: int = 0,
-               stderr: str = "", start_error: str = "", seconds: float = 0.0):
+               stderr: str = "", start_error: str = "", seconds: float = 0.0, pid: int = 0):
     self.results, self.timed_out, self.exit_code = results, timed_out, exit_code
+    self.pid = pid  # the runner's pid, which is also its session and process-group id (0: none)
     self.stderr, self.start_error, self.seconds = stderr, start_error, seconds
 
 
@@ -826,7 +827,7 @@ class CodeSandbox(HostEnvironment):
         if isinstance(parsed, list) and len(parsed) == len(cases):
           results = parsed
     stderr = stderr.replace(run_dir, ".")  # tracebacks name the (random) directory
-    return _Run(results, timed_out, proc.returncode, stderr, seconds=seconds)
+    return _Run(results, timed_out, proc.returncode, stderr, seconds=seconds, pid=proc.pid)
 
   def _preexec(self, identity: tuple[int, int] | None, isolate: bool) -> Callable[[], None]:
     cpu = max(1, int(-(-self.time_limit_s // 1)))

@@ -146,7 +146,15 @@ class Codec:
     task pytree."""
     task = getattr(state, "task", state)
     task = _to_numpy(task)
-    system, user = self.system_text(), self.env.task_text(task, self.style)
+    return self._framed_prompt(self.env.task_text(task, self.style))
+
+  def summary_prompt_text(self, summary: str) -> str:
+    """The context a summary segment starts from (`rollout/context.py`): the prompt's framing with
+    `summary` (the environment's `state_text`) in the task's place."""
+    return self._framed_prompt(summary)
+
+  def _framed_prompt(self, user: str) -> str:
+    system = self.system_text()
     if self.chat:
       messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
       tools = self.tool_schemas if self.style == "tool_call" else None

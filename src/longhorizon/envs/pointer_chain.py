@@ -184,6 +184,12 @@ class PointerChain(Environment):
       return f"answer {value}" if style == "compact" else f"Answer {value} received."
     return "error" if style == "compact" else f"Error {error}."
 
+  def state_text(self, task, inner, style):
+    """The task restated from where the chain stands: start at the key reached, with the hops
+    left (after the last hop, "hops 0": answer the start key)."""
+    left = int(task["horizon"]) - int(inner["progress"])
+    return self.task_text({"start": int(inner["current"]), "horizon": max(left, 0)}, style)
+
   def vocabulary(self):
     words = set(self.system_text("compact").split())
     # The error observation's other words (":", "invalid", "argument") come with the codec; adding

@@ -95,6 +95,9 @@ class Wrapper(Environment):
   def episode_info(self, task, inner):
     return self.env.episode_info(task, inner)
 
+  def state_text(self, task, inner, style):
+    return self.env.state_text(task, inner, style)
+
   def split_params(self, split):
     return self.env.split_params(split)
 

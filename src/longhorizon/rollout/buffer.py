@@ -151,6 +151,19 @@ class EpisodeBuffer:
       out.token_version[r, s] = version
     self.end[r] += len(ids)
 
+  def cut(self, r: int, ids, turns) -> dict:
+    """Starts a new context segment of row `r` (`rollout/context.py`): returns its token fields
+    so far (`{name: [L] copy}`), then clears them and writes `ids` as the row's new context, with
+    step labels `turns` (`-1` for the prompt), loss 0."""
+    out = self.batch
+    kept = {name: np.array(getattr(out, name)[r]) for name in _TOKEN_FIELDS}
+    for name in _TOKEN_FIELDS:
+      getattr(out, name)[r] = _TOKEN_FILL.get(name, 0)
+    n = len(ids)
+    out.tokens[r, :n], out.turn[r, :n], out.attention_mask[r, :n] = ids, turns, True
+    self.end[r] = n
+    return kept
+
   def record_step(self, t, active, ts: TimeStep, env_reward=None) -> np.ndarray:
     """Records environment step `t` (an int, or `[B]` per row) of the `active` rows from the host
     time step `ts` (`[B]` leaves) and, for a host environment, its own step rewards `env_reward`
@@ -238,6 +251,7 @@ def _per_row(t, b: int) -> np.ndarray:
 # What `fork` copies of a parent row: every per-row field of the batch being filled.
 _TOKEN_FIELDS = ("tokens", "positions", "attention_mask", "loss_mask", "turn", "behavior_logprobs",
                  "action_part", "token_version")
+_TOKEN_FILL = {"turn": -1, "token_version": -1}  # the other token fields are 0 on padding
 _STEP_FIELDS = ("rewards", "step_mask", "anchor", "milestones", "cost", "latency", "violation",
                 "env_error", "oracle_match")
 _ROW_FIELDS = _TOKEN_FIELDS + _STEP_FIELDS + (

@@ -53,6 +53,7 @@ from longhorizon.envs.testing import random_action
 from longhorizon.envs.types import row, to_numpy
 from longhorizon.models import ModelConfig, prepare_decode_params
 from longhorizon.rollout.buffer import EpisodeBuffer
+from longhorizon.rollout.context import CONTEXT_MODES, Segmenter, segment_keys
 from longhorizon.rollout.recovery import (RECOVERY_FROM, RecoveryStarts, first_error_steps,
                                            recovery_starts)
 from longhorizon.envs import RewardSpec
@@ -97,6 +98,15 @@ class RolloutConfig:
   # and prefix just after its first error by this rule ("first_divergence" or "after_error"), in
   # `RolloutStats.recovery`, for `collect_recovery` in a later update. "" = off.
   recovery_from: str = ""
+  # Context management (`rollout/context.py`, `config.context`): "full" keeps the whole episode
+  # in one context; "window" and "summary" start a new context segment after every
+  # `context_every` steps (0: only when the next turn would not fit), rewritten as the prompt plus
+  # the last `context_keep` turns (window) or as the environment's state summary (summary); an
+  # episode holds at most `context_segments` segments (then it is truncated on overflow).
+  context_mode: str = "full"
+  context_every: int = 0
+  context_keep: int = 2
+  context_segments: int = 4
 
   def __post_init__(self):
     for name in ("group_size", "context_length", "max_steps", "turn_tokens"):
@@ -112,6 +122,17 @@ class RolloutConfig:
     if self.recovery_from not in ("",) + RECOVERY_FROM:
       raise ValueError(f"RolloutConfig.recovery_from must be '' (off) or one of {RECOVERY_FROM}, "
                        f"got {self.recovery_from!r}.")
+    if self.context_mode not in CONTEXT_MODES:
+      raise ValueError(f"RolloutConfig.context_mode must be one of {CONTEXT_MODES}, got "
+                       f"{self.context_mode!r}.")
+    if self.context_mode != "full" and (self.branch_k or self.recovery_from):
+      raise ValueError(f"RolloutConfig.context_mode={self.context_mode!r} does not branch or keep "
+                       f"recovery starts (a fork would need the segment its step is in); use "
+                       f"branch_k=0 and recovery_from=''.")
+    if self.context_every < 0 or self.context_keep < 1 or self.context_segments < 1:
+      raise ValueError(f"RolloutConfig: context_every >= 0, context_keep >= 1 and "
+                       f"context_segments >= 1 are needed, got {self.context_every}, "
+                       f"{self.context_keep}, {self.context_segments}.")
     if self.branch_at not in BRANCH_POINTS:
       raise ValueError(f"RolloutConfig.branch_at must be one of {sorted(BRANCH_POINTS)}, got "
                        f"{self.branch_at!r}.")
@@ -149,6 +170,11 @@ class RolloutStats:
   extra: dict = dataclasses.field(default_factory=dict)
   # `RecoveryStarts` of the failed root episodes (`RolloutConfig.recovery_from`), else None.
   recovery: Any = None
+  # Context modes window / summary: an `EpisodeBatch` of `B * (context_segments - 1)` rows, the
+  # earlier context segments of the episodes (`segment_of` indexing the returned batch's rows;
+  # rows without tokens pad it to that fixed size), for `episode.join_segments`; else None.
+  segments: Any = None
+  segment_starts: int = 0  # new context segments begun (window / summary)
 
   def as_dict(self) -> dict:
     total = self.generation_s + self.env_s + self.host_s
@@ -157,7 +183,9 @@ class RolloutStats:
             "rollout/env_steps": self.env_steps, "rollout/unknown_words": self.unknown_words,
             "rollout/tokens_per_s": self.sampled_tokens / max(total, 1e-9),
             "rollout/env_steps_per_s": self.env_steps / max(total, 1e-9),
-            "rollout/generation_frac": self.generation_s / max(total, 1e-9), **self.extra}
+            "rollout/generation_frac": self.generation_s / max(total, 1e-9),
+            **({"rollout/segment_starts": self.segment_starts} if self.segment_starts else {}),
+            **self.extra}
 
 
 def merge_stats(first: RolloutStats, second: RolloutStats) -> RolloutStats:
@@ -165,7 +193,10 @@ def merge_stats(first: RolloutStats, second: RolloutStats) -> RolloutStats:
   `episode_info` concatenated (first's rows, then second's), `first`'s `extra` and `recovery`."""
   sums = {f.name: getattr(first, f.name) + getattr(second, f.name)
           for f in dataclasses.fields(RolloutStats)
-          if f.name not in ("episode_info", "extra", "recovery")}
+          if f.name not in ("episode_info", "extra", "recovery", "segments")}
+  if first.segments is not None or second.segments is not None:
+    raise ValueError("merge_stats: batches with context segments are not merged (context.mode "
+                     "window / summary runs without recovery groups).")
   info = {name: np.concatenate([np.asarray(first.episode_info[name]),
                                 np.asarray(second.episode_info[name])])
           for name in first.episode_info if name in second.episode_info}
@@ -247,18 +278,23 @@ def collect(params, model_config: ModelConfig, env: Environment, codec, tasks: A
     prompts, anchors = rows.start(tasks, task_of_row, rows_keys, config, stats)
   buffer = EpisodeBuffer.start(prompts, config.context_length, config.max_steps, anchors,
                                env.num_milestones)
+  segmenter = None if config.context_mode == "full" else Segmenter(config, codec, rows, prompts)
   with _timed(stats, "generation_s"):
     policy = (_ScriptedPolicy(scripted, config, codec, policy_version) if scripted else
               _ModelPolicy(params, model_config, config, codec, prompts, sampling_seed, row_ids,
                            version=policy_version, source=params_source, reprefill=reprefill))
   _run_turns(buffer, policy, rows, codec, config, stats, np.zeros(len(prompts), np.int64),
-             on_env_step)
+             on_env_step, segmenter)
   labels = dict(policy_version=policy_version, task_seed=task_seed, sampling_seed=sampling_seed)
   with _timed(stats, "host_s"):
     env_seed = np.asarray(jax.random.key_data(rows_keys))[:, -1]
     batch = _finish(buffer, policy, env, reward, task_of_row + group_offset, env_seed, labels,
                     config)
     stats.episode_info = dict(rows.episode_info(), **buffer.episode_info())
+    if segmenter is not None:
+      stats.segments = segmenter.segments(batch)
+      stats.segment_starts = len(segmenter.saved)
+      stats.unknown_words += segmenter.unknown_words
     if config.recovery_from:  # before branching: a host pool's rows then become the branches
       stats.recovery = recovery_starts(batch, buffer, rows, config.recovery_from, _reached)
   if config.branch_k:
@@ -309,9 +345,11 @@ def collect_recovery(params, model_config: ModelConfig, env: Environment, codec,
 
 
 def _run_turns(buffer: EpisodeBuffer, policy, rows, codec, config: RolloutConfig,
-               stats: RolloutStats, steps: np.ndarray, on_env_step=None) -> None:
+               stats: RolloutStats, steps: np.ndarray, on_env_step=None,
+               segmenter: Segmenter | None = None) -> None:
   """The turn loop: every row that is not done takes its next step (`steps[r]`, counted per row)
-  until every row is done or has taken `config.max_steps` steps."""
+  until every row is done or has taken `config.max_steps` steps. With a `segmenter` (context
+  modes window / summary), rows may start new context segments between steps."""
   for _ in range(config.max_steps):
     active = ~buffer.done
     if not active.any():
@@ -338,10 +376,13 @@ def _run_turns(buffer: EpisodeBuffer, policy, rows, codec, config: RolloutConfig
     stats.env_steps += int(active.sum())
     with _timed(stats, "host_s"):
       going_on = active & ~buffer.record_step(steps, active, ts, rows.env_reward(ts))
-      observations = _append_observations(buffer, codec, config, stats, steps, going_on,
-                                          rows.observation, turn.stopped)
+      observations, cut = _append_observations(buffer, codec, config, stats, steps, going_on,
+                                               rows.observation, turn.stopped, segmenter)
     steps = steps + active
-    if any(observations):
+    if cut.any():  # rewritten contexts: the cache is prefilled again from every row's context
+      with _timed(stats, "generation_s"):
+        policy.restart(buffer, segmenter.index)
+    elif any(observations):
       with _timed(stats, "generation_s"):
         policy.extend(observations)
 
@@ -459,7 +500,7 @@ class _JaxRows:
   def __init__(self, env: Environment, codec, states=None):
     self.env, self.codec = env, codec
     self.reset_fn, self.step_fn, self.info_fn = _env_fns(env)
-    self.messages, self._states = None, states
+    self.messages, self._states, self._host = None, states, None
     self.keep_history, self.track_oracle, self.history = False, False, []
 
   def fork(self, parents, steps, milestones=None) -> "_JaxRows":
@@ -497,6 +538,7 @@ class _JaxRows:
     if self.track_oracle:
       self.match = self._oracle_match(to_numpy(actions), active)
     self._states, timesteps = self.step_fn(self._states, actions)
+    self._host = None
     self.ts = to_numpy(timesteps)
     return self.ts
 
@@ -511,6 +553,12 @@ class _JaxRows:
   def env_reward(self, ts):
     del ts
     return None
+
+  def state_text(self, r: int) -> str:
+    """The environment's summary of row `r`'s current state (`Environment.state_text`)."""
+    if self._host is None:  # one host copy of the states per step
+      self._host = to_numpy(self._states)
+    return self.env.state_text(row(self._host.task, r), row(self._host.inner, r), self.codec.style)
 
   def observation(self, r: int):
     """`(ids, text)` of row `r`'s latest observation framed as the next turn (`text` a function)."""
@@ -641,6 +689,10 @@ class _HostRows:
   def env_reward(self, ts):
     return ts.reward
 
+  def state_text(self, r: int) -> str:
+    raise ValueError(f"context.mode='summary' needs the environment's state summary; the host "
+                     f"environment {self.env.name!r} has none (use context.mode='window').")
+
   def observation(self, r: int):
     text = self.results[r].observation
     return (self.codec.render_observation(text), lambda: self.codec.observation_turn_text(text))
@@ -690,6 +742,7 @@ class _ModelPolicy:
     self.model_config, self.length = model_config, config.context_length
     self.sampling_seed = sampling_seed
     self.row_keys = sampler.per_row_keys(sampling_seed, np.asarray(row_ids))
+    self.base_keys = self.row_keys
     self.rule = config.sampling(codec.stop_token_ids)
     if prompts is not None:
       self._prefill(prompts, config.share_prompts)
@@ -740,6 +793,17 @@ class _ModelPolicy:
           maximum=self.length)
       self.cache, self.last_logits = sampler.prefill(self.params, self.model_config, tokens,
                                                      lengths, self.length)
+
+  def restart(self, buffer: EpisodeBuffer, segment_index) -> None:
+    """The cache prefilled again from every row's context in `buffer`, after some rows began new
+    context segments (`rollout/context.py`; `segment_index [B]`, the segment each row is in, which
+    folds into its sampling key)."""
+    tokens, lengths = sampler.pad_rows(
+        [buffer.batch.tokens[r, :buffer.end[r]] for r in range(len(buffer.end))], minimum=8,
+        maximum=self.length)
+    self.cache, self.last_logits = sampler.prefill(self.params, self.model_config, tokens,
+                                                   lengths, self.length)
+    self.row_keys = segment_keys(self.base_keys, segment_index)
 
   def turn(self, states, active, budgets) -> _Turn:
     del states  # the model acts on its context only
@@ -794,6 +858,9 @@ class _ScriptedPolicy:
   def extend(self, observations) -> None:
     del observations  # no model, no cache
 
+  def restart(self, buffer: EpisodeBuffer, segment_index) -> None:
+    del buffer, segment_index  # acts on the states only
+
   def fork(self, parents, prefix_ends, last_tokens, row_ids) -> "_ScriptedPolicy":
     del parents, prefix_ends, last_tokens, row_ids  # acts on the states only
     return self
@@ -818,14 +885,17 @@ def _parse_actions(env: Environment, codec, turn: _Turn, active) -> tuple[Action
 
 
 def _append_observations(buffer: EpisodeBuffer, codec, config: RolloutConfig,
-                         stats: RolloutStats, steps, rows, observation, stopped) -> list:
+                         stats: RolloutStats, steps, rows, observation, stopped,
+                         segmenter: Segmenter | None = None) -> tuple[list, np.ndarray]:
   """Appends the observation of step `steps[r]` (`observation(r) -> (ids, text function)`) to each
   of `rows` (`[B]` bool, the rows that go on), after an end-of-turn token where the turn hit its
   budget instead. Stops a row as `TIMEOUT` after the last step, and as `CONTEXT_OVERFLOW` when its
-  observation plus one more turn would not fit. Returns the ids appended to each row (`[]` for
-  none)."""
+  observation plus one more turn would not fit (and the `segmenter`, if any, starts no new
+  segment instead). Returns the ids appended to each row (`[]` for none) and `[B]` bool, the rows
+  that started a new context segment."""
   eot = codec.stop_token_ids[0]
   appended = [[] for _ in range(len(rows))]
+  cut = np.zeros((len(rows),), bool)
   for r in np.nonzero(rows)[0]:
     if steps[r] + 1 >= (config.step_budget or config.max_steps):
       buffer.stop(r, Termination.TIMEOUT)
@@ -833,13 +903,19 @@ def _append_observations(buffer: EpisodeBuffer, codec, config: RolloutConfig,
     ids, text = observation(r)
     ids = list(ids)
     framed = ([] if stopped[r] else [eot]) + ids
-    if buffer.end[r] + len(framed) + config.turn_tokens + 1 > config.context_length:
+    fits = buffer.end[r] + len(framed) + config.turn_tokens + 1 <= config.context_length
+    if segmenter is not None and segmenter.cut(buffer, r, int(steps[r]), framed, fits):
+      cut[r] = True
+      if config.context_mode == "window":  # the observation is in the new context
+        stats.unknown_words += _unknown_count(codec, ids, text)
+      continue
+    if not fits:
       buffer.stop(r, Termination.CONTEXT_OVERFLOW)
       continue
     stats.unknown_words += _unknown_count(codec, ids, text)
     buffer.append_observation(r, steps[r], framed)
     appended[r] = framed
-  return appended
+  return appended, cut
 
 
 def _labels(env: Environment, reward: RewardSpec, group, env_seed, *, policy_version: int,

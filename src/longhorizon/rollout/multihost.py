@@ -92,6 +92,9 @@ def collect_across_processes(params, model_config, env, codec, tasks: Any, env_k
     return collect(params, model_config, env, codec, tasks, env_keys, config,
                    sampling_seed=sampling_seed, group_offset=group_offset, scripted=scripted,
                    **kwargs)
+  if config.context_mode != "full":
+    raise ValueError(f"context_mode={config.context_mode!r} collects in a single process: the "
+                     f"context segments are not gathered across processes.")
   n = len(tasks) if isinstance(tasks, (list, tuple)) else jax.tree.leaves(tasks)[0].shape[0]
   lo, hi = process_share(n)
   local_tasks = (tasks[lo:hi] if isinstance(tasks, (list, tuple))

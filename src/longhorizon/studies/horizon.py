@@ -186,7 +186,7 @@ def _oracle_episodes(learner: Learner):
   tasks = task_suites.stack(source, range(min(c.eval.num_tasks, len(source))))
   keys = jax.random.split(jax.random.key(c.seed + 101), task_suites.count(tasks))
   oracle, _ = rollout.collect(None, None, learner.env, learner.codec, tasks, keys,
-                              learner.rollout.collect_config(c.env.max_steps, group_size=1),
+                              learner.collect_config(group_size=1),
                               sampling_seed=0,
                               scripted=rollout.oracle_turns(learner.env, learner.codec, 0.0))
   if not np.all(oracle.success):

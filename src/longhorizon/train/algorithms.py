@@ -418,3 +418,39 @@ def _empg(batch, out: Advantages, entropy, options: AlgorithmOptions) -> Advanta
   modulated = turn_adv.empg(step_adv, step_entropy, steps, k=options.empg_k,
                             k_future=options.empg_k_future, zeta=options.empg_zeta)
   return out._replace(advantages=adv.broadcast_steps(modulated, batch.turn) * mask)
+
+
+def step_view(batch: EpisodeBatch) -> EpisodeBatch:
+  """`batch`'s episodes as rows of one token per step (`L = S`): step `s` is token `s`, with the
+  episode's step- and episode-level fields. A critic-free estimator's advantage of a token is a
+  function of its row and step, so its advantages on this view are the episodes' step advantages
+  whichever rows hold their tokens (the context segments of `segment_advantages`)."""
+  steps = jnp.asarray(batch.step_mask, bool)
+  b, s = steps.shape
+  index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+  zeros = jnp.zeros((b, s), jnp.int32)
+  return batch.replace(
+      tokens=zeros, positions=index, attention_mask=steps, loss_mask=steps,
+      turn=jnp.where(steps, index, -1), behavior_logprobs=jnp.zeros((b, s), jnp.float32),
+      token_version=jnp.where(steps, 0, -1), action_part=zeros, routing=None)
+
+
+def segment_advantages(batch: EpisodeBatch, options: AlgorithmOptions) -> Advantages:
+  """The advantages of a batch holding context segments (`EpisodeBatch.segment_of`; the episodes'
+  last segments first, `episode.join_segments`): the estimator runs once per episode on the
+  episodes' `step_view` (group statistics over episodes, not rows), and each row's tokens get
+  their episode's advantage of their step; a row's weight is its episode's."""
+  if options.spec.needs_critic or options.spec.reads_tree or options.empg or options.labels_parts:
+    raise ValueError(f"context segments take critic-free per-step advantages; algorithm "
+                     f"{options.name!r} with empg={options.empg}, part weights "
+                     f"{options.part_weights} does not give them.")
+  segment_of = jnp.asarray(batch.segment_of)
+  n = int(np.sum(np.asarray(segment_of) < 0))
+  episodes = jax.tree.map(lambda x: x[:n], batch)
+  out = compute_advantages(step_view(episodes), None, options)
+  owner = jnp.where(segment_of < 0, jnp.arange(batch.batch_size), segment_of)
+  turn = jnp.asarray(batch.turn)
+  mask = jnp.asarray(batch.loss_mask, jnp.float32)
+  step_adv = out.advantages[owner]  # [B, S]
+  tokens = jnp.take_along_axis(step_adv, jnp.clip(turn, 0, step_adv.shape[1] - 1), axis=1)
+  return Advantages(tokens * mask, None, out.row_weight[owner])

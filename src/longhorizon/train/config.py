@@ -25,7 +25,8 @@ from longhorizon.train.algorithms import ALGORITHMS, AlgorithmOptions
 from longhorizon.train.options import (COUNT as _COUNT, NON_NEGATIVE as _NON_NEGATIVE,
                                        NON_NEGATIVE_INT as _NON_NEGATIVE_INT,
                                        POSITIVE as _POSITIVE, PROBABILITY as _PROBABILITY,
-                                       ConfigError, OptimOptions, Options, PoolOptions,
+                                       ConfigError, ContextOptions, OptimOptions, Options,
+                                       PoolOptions,
                                        PreferenceOptions, Range, RolloutOptions,
                                        fail as _fail, section_ranges)
 from longhorizon.train.policy_losses import LossOptions
@@ -34,7 +35,7 @@ __all__ = ["ConfigError", "RANGES", "Range", "SPECS", "set_path", "validate"]
 
 # The typed options of a run, each built from its config section (`Options.from_config`).
 SPECS: tuple[type[Options], ...] = (AlgorithmOptions, LossOptions, RolloutOptions, OptimOptions,
-                                    PoolOptions, PreferenceOptions)
+                                    PoolOptions, PreferenceOptions, ContextOptions)
 
 _CHOICES = {
     "env.style": STYLES,
@@ -156,6 +157,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check_model(config.model)
   _check_rules(config)
   _check_off_policy(config)
+  _check_context(config)
   return config
 
 
@@ -285,3 +287,46 @@ def _check_off_policy(config):
       _fail("loss.reuse_behaviour_logprobs", True,
             f"False with model.decode_quant={config.model.decode_quant!r} (quantised rollouts "
             "are not the learner's policy)")
+
+
+def _check_context(config):
+  """Context segments (`config.context.mode` window / summary) against what reads a batch as one
+  row per episode or a token-level critic: refused with the reason."""
+  mode = config.context.mode
+  if mode == "full":
+    return
+  a, r = config.algorithm, config.rollout
+  spec = ALGORITHMS[a.name]
+  refusals = (
+      ("algorithm.name", a.name, spec.needs_critic or spec.reads_tree,
+       "a critic-free estimator of outcome or step credit (grpo, drgrpo, rloo, gigpo, ...): a "
+       "token-level critic or a branch tree does not carry across rewritten contexts"),
+      ("algorithm.empg", a.empg, a.empg, "False (EMPG reads the step entropies of one row)"),
+      ("algorithm.part_weights", tuple(a.part_weights), any(w != 1.0 for w in a.part_weights),
+       "all 1.0 (action parts are labelled per row)"),
+      ("rollout.mode", r.mode, r.mode == "async", "'sync' (the async pipeline and partial "
+       "rollouts keep one row per episode)"),
+      ("rollout.branch_k", r.branch_k, r.branch_k, "0 (a fork needs the segment its step is in)"),
+      ("rollout.recovery_groups", r.recovery_groups, r.recovery_groups, "0"),
+      ("dpo.steps", config.dpo.steps, config.dpo.steps, "0 (preference pairs are whole rows)"),
+      ("model.moe.num_experts", config.model.moe.num_experts, config.model.moe.num_experts,
+       "0 (the re-prefilled segments' routing is not recorded for replay)"),
+      ("mesh.data", config.mesh.data, config.mesh.data * config.mesh.fsdp * config.mesh.tensor > 1,
+       "1 (with mesh.fsdp = mesh.tensor = 1: segment rows are not placed on a mesh yet)"),
+  )
+  for path, value, refused, allowed in refusals:
+    if refused:
+      _fail(path, value, f"{allowed}, with context.mode={mode!r}")
+  if mode == "summary" and not _has_state_text(config.env.name):
+    _fail("context.mode", mode, f"'full' or 'window' for the environment {config.env.name!r}: "
+          f"it has no state summary (Environment.state_text), which summary writes")
+
+
+def _has_state_text(name: str) -> bool:
+  """Whether the environment `name` writes a state summary (overrides `state_text`)."""
+  try:
+    cls = envs.resolve(name)
+  except Exception:  # an unknown name is reported by its own check
+    return True
+  return (isinstance(cls, type) and not issubclass(cls, HostEnvironment)
+          and cls.state_text is not envs.Environment.state_text)

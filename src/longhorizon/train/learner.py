@@ -52,10 +52,10 @@ from longhorizon.models import (Critic, ModelConfig, PolicyWithValue, Transforme
 from longhorizon.models import checkpoint as checkpoint_lib
 from longhorizon.rollout.store import KEEP, StoreError, TrajectoryStore
 from longhorizon.train import config as config_lib
-from longhorizon.train.algorithms import AlgorithmOptions, compute_advantages
+from longhorizon.train.algorithms import AlgorithmOptions, compute_advantages, segment_advantages
 from longhorizon.train.metrics import Timer
 from longhorizon.envs import pool as pool_lib
-from longhorizon.train.options import OptimOptions, PoolOptions, RolloutOptions
+from longhorizon.train.options import ContextOptions, OptimOptions, PoolOptions, RolloutOptions
 from longhorizon.train.policy_losses import LossOptions
 from longhorizon.train.update import (LearnInputs, TrainState, critic_values, episode_logprobs,
                                       dpo_update, jit_rl_update, make_optimizer, sft_update)
@@ -223,6 +223,7 @@ class Learner:
   # None unless the algorithm needs a critic; with algorithm.critic='shared' it steps the value
   # head alone (the trunk is the policy's, stepped by `optimizer`)
   critic_optimizer: Any
+  context: ContextOptions  # config.context: the context mode of every collect (rollout/context.py)
   # The jitted update(s), built on first use; never shared with a copy (`dataclasses.replace` or
   # `with_config` may change what they close over).
   _jitted: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
@@ -273,7 +274,7 @@ class Learner:
                                         max_grad_norm=optim.max_grad_norm)
     return cls(config=config, rollout=RolloutOptions.from_config(config), algorithm=algorithm,
                loss=loss, optim=optim, optimizer=optimizer, critic_optimizer=critic_optimizer,
-               **parts)
+               context=ContextOptions.from_config(config), **parts)
 
   def with_config(self, config, **parts) -> "Learner":
     """This learner's environment, codec, tasks, model and mesh under another config (e.g. another
@@ -341,6 +342,12 @@ class Learner:
     return None
 
   # ---------------------------------------------------------------------------------- episodes
+  def collect_config(self, max_steps: int | None = None, **overrides):
+    """`rollout.collect_config` with this run's context mode (`config.context`); `max_steps`
+    defaults to `env.max_steps`."""
+    steps = self.config.env.max_steps if max_steps is None else max_steps
+    return self.rollout.collect_config(steps, context=self.context, **overrides)
+
   def tasks_at(self, start: int, count: int):
     n = len(self.train_tasks)
     return task_suites.stack(self.train_tasks, [(start + i) % n for i in range(count)])
@@ -367,7 +374,7 @@ class Learner:
     if params_source is not None:
       extra.update(params_source=params_source,
                    reprefill=self.rollout.partial_cache == "reprefill")
-    rc = self.rollout.collect_config(
+    rc = self.collect_config(
         c.env.max_steps, branch=True,
         record_oracle=self.rollout.record_oracle or self.algorithm.step_verifier == "oracle",
         label_parts=self.algorithm.labels_parts, step_budget=step_budget)
@@ -429,14 +436,18 @@ class Learner:
     async learner's staleness filter (0 drops an episode, < 1 down-weights it); a `[B, L]` one
     weighs each token instead (the filter with partial rollouts, by each token's own lag)."""
     with timer("update"):
-      db = to_device(self.trimmed(batch))
+      rows = episode_lib.join_segments(batch, stats.segments)  # context segments: their rows too
+      db = to_device(self.trimmed(rows))
       if self.mesh is not None:  # data-parallel inputs: rows split over (data, fsdp)
         db = sharding.shard_batch(db, self.mesh, _mesh_rules(self.config))
       inputs = self.learn_inputs(state, db, row_scale)
       state, m = self.update(state, db, inputs)
       m = jax.device_get(m)
     metrics = {k: float(np.asarray(v)) for k, v in m.items()}
-    metrics.update(episode_metrics(batch, inputs.row_weight))
+    metrics.update(episode_metrics(batch, np.asarray(inputs.row_weight)[:batch.batch_size]))
+    if stats.segments is not None:
+      metrics["context/rows_per_episode"] = float(
+          np.asarray(rows.loss_mask).any(-1).sum() / batch.batch_size)
     metrics["update_length"] = float(np.shape(db.tokens)[1])
     metrics["_task_success"] = np.asarray(batch.success).reshape(self.rollout.num_tasks, -1).mean(-1)
     metrics.update({k: float(v) for k, v in stats.as_dict().items()})
@@ -490,7 +501,10 @@ class Learner:
     if self.critic_optimizer is not None and values is None:
       trunk = (state.params,) if self.shared_critic else ()
       values = _critic_values(state.critic_params, self.model_config, db, *trunk)
-    adv = compute_advantages(db, values, self.algorithm, entropy)
+    if episode_lib.num_episodes(db) < db.batch_size:  # context segments: credit per episode
+      adv = segment_advantages(db, self.algorithm)
+    else:
+      adv = compute_advantages(db, values, self.algorithm, entropy)
     row_weight, token_weight = adv.row_weight, None
     if row_scale is not None and np.ndim(row_scale) == 2:  # per-token (partial rollouts)
       token_weight = jnp.asarray(row_scale, jnp.float32)[:, :db.tokens.shape[1]]
@@ -536,14 +550,16 @@ class Learner:
       return state, {}
     n = c.sft.episodes
     start = time.perf_counter()
+    segments = None  # the demonstrations' earlier context segments (context.mode window/summary)
     if c.sft.get("store"):
       batch = stored_demonstrations(c.sft.store, n, c.rollout.context_length, c.env.max_steps)
     else:
-      batch, _ = rollout.collect(
+      batch, demo_stats = rollout.collect(
           None, None, self.env, self.codec, self.tasks_at(0, n),
           jax.random.split(key(c.seed, 4), n),
-          self.rollout.collect_config(c.env.max_steps, group_size=1), sampling_seed=0,
+          self.collect_config(group_size=1), sampling_seed=0,
           scripted=rollout.oracle_turns(self.env, self.codec, c.sft.demo_epsilon, seed=c.seed))
+      segments = demo_stats.segments
     logging.info("SFT: %d demonstration episodes in %.1f s (success %.2f, %.1f steps and %.0f "
                  "tokens each).", n, time.perf_counter() - start, float(batch.success.mean()),
                  float(np.mean(batch.num_steps)),
@@ -551,7 +567,7 @@ class Learner:
     if not c.sft.get("store") and not c.sft.demo_epsilon and not batch.success.all():
       logging.warning("oracle SFT episodes: only %.2f succeed (context budget, turn budget "
                       "rollout.turn_tokens or step limit too small?)", float(batch.success.mean()))
-    batch = to_device(self.trimmed(batch))
+    batch = to_device(self.trimmed(episode_lib.join_segments(batch, segments)))
     sft_opt = make_optimizer(c.sft.learning_rate, max_grad_norm=self.optim.max_grad_norm)
     sft_state = state.replace(opt_state=self.init_opt_state(state.params, sft_opt))
     metrics, start, every = {}, time.perf_counter(), max(1, c.sft.steps // 5)
@@ -606,7 +622,7 @@ class Learner:
     batch, _ = rollout.collect_across_processes(
         params, self.model_config, self.env, self.codec, task_suites.stack(source, range(n)),
         jax.random.split(key(seed, 7), n),
-        self.rollout.collect_config(self.config.env.max_steps, group_size=group_size,
+        self.collect_config(group_size=group_size,
                                     temperature=temperature),
         sampling_seed=seed)
     return {"success_rate": float(np.mean(batch.success)),

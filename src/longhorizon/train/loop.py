@@ -87,7 +87,7 @@ def _evaluate_both(s: Learner, params, seed: int, full: bool = False) -> dict:
   source = s.eval_tasks.get(c.eval.split, s.train_tasks)
   tasks = task_suites.stack(source, range(min(c.eval.num_tasks, len(source))))
   report, _ = runner.evaluate(s.env, s.codec, tasks, attempts=c.eval.k,
-                              rollout_config=s.rollout.collect_config(c.env.max_steps),
+                              rollout_config=s.collect_config(),
                               policy="model", params=params, model_config=s.model_config,
                               seed=seed)
   report["greedy_success_rate"] = greedy["success_rate"]

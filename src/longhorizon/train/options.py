@@ -21,9 +21,10 @@ import ml_collections
 
 from longhorizon.core.preference import PAIR_LEVELS
 from longhorizon.rollout import BRANCH_POINTS, RECOVERY_FROM, RolloutConfig
+from longhorizon.rollout.context import CONTEXT_MODES
 from longhorizon.rollout.store import KEEP
 
-__all__ = ["ConfigError", "Range", "Options", "RolloutOptions", "OptimOptions", "PoolOptions", "PreferenceOptions",
+__all__ = ["ConfigError", "Range", "Options", "ContextOptions", "RolloutOptions", "OptimOptions", "PoolOptions", "PreferenceOptions",
            "option", "fail",
            "as_config", "section_ranges", "COUNT",
            "NON_NEGATIVE_INT", "NON_NEGATIVE", "POSITIVE", "PROBABILITY", "DISCOUNT"]
@@ -214,12 +215,14 @@ class RolloutOptions(Options):
       fail("rollout.recovery_groups", self.recovery_groups, "0 with rollout.mode='async' (the "
            "starts are kept by the learner's collect)")
 
-  def collect_config(self, max_steps: int, *, group_size: int | None = None,
+  def collect_config(self, max_steps: int, *, context: "ContextOptions | None" = None,
+                     group_size: int | None = None,
                      temperature: float | None = None, branch: bool = False,
                      record_oracle: bool = False, label_parts: bool = False,
                      step_budget: int | None = None) -> RolloutConfig:
     """The `collect` settings; `branch=True` (the training episodes) with the branch rollouts,
-    `record_oracle` with each step's agreement with the oracle (the `oracle` step verifier)."""
+    `record_oracle` with each step's agreement with the oracle (the `oracle` step verifier),
+    `context` (`config.context`) with its context mode (else `full`)."""
     return RolloutConfig(group_size=group_size or self.group_size,
                          context_length=self.context_length, max_steps=max_steps,
                          turn_tokens=self.turn_tokens,
@@ -229,7 +232,8 @@ class RolloutOptions(Options):
                          record_oracle=record_oracle, label_parts=label_parts,
                          step_budget=step_budget or 0, share_prompts=self.share_prompts,
                          recovery_from=self.recovery_from if branch and self.recovery_groups
-                         else "")
+                         else "",
+                         **(context.collect_fields() if context is not None else {}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,6 +268,25 @@ class PoolOptions(Options):
     out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
     out["tool_rate_limits"] = {name: float(rate) for name, rate in self.tool_rate_limits}
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextOptions(Options):
+  """How long episodes keep their context (`config.context`; `rollout/context.py`)."""
+  SECTION = "context"
+  # full: the whole episode in one context (truncated when it overflows); window: rewrite it as
+  # the prompt + the last `keep` turns; summary: as the environment's state summary. Each segment
+  # is a training row of exactly the tokens the policy saw; its episode's return and credit.
+  mode: str = option("full", choices=lambda: CONTEXT_MODES)
+  every: int = option(0, range=Range(int, 0, note="steps per segment; 0 = only when the context "
+                                                  "is full"))
+  keep: int = option(2, range=COUNT)  # window: the turns carried into a new segment
+  segments: int = option(4, range=COUNT)  # most segments (training rows) per episode
+
+  def collect_fields(self) -> dict:
+    """The `RolloutConfig` fields of these options."""
+    return {"context_mode": self.mode, "context_every": self.every, "context_keep": self.keep,
+            "context_segments": self.segments}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,126 @@
+"""Context management for long episodes: window and summary segments, token-exact.
+
+`config.context.mode` (`RolloutConfig.context_mode`):
+
+* `full`: the episode's whole history stays in one context (the KV cache); a row whose next turn
+  would not fit is truncated (`CONTEXT_OVERFLOW`).
+* `window`: at a segment boundary the context is rewritten as the prompt plus the last
+  `context_keep` turns (each step's action and observation, copied id for id) and the newest
+  observation.
+* `summary`: at a segment boundary the context is rewritten as the system text plus the
+  environment's state summary (`Environment.state_text`, written in the task's place), from which
+  the policy goes on as from a fresh task.
+
+A boundary comes after every `context_every` steps of a segment, or (`context_every` 0, or
+sooner) when the next observation and turn would not fit. An episode holds at most
+`context_segments` segments; past that it is truncated on overflow as in `full`.
+
+Token-exactness: a rewritten context is not an extension of the cached one, so the row's cache is
+prefilled again from its new context; the row then samples on from it. Each segment is kept as
+its own training row holding exactly the tokens the policy saw while it sampled that segment's
+turns (copied history with loss 0, its own turns with loss 1 and their behaviour log-probs).
+`collect` returns the episodes' last segments as the batch (one row per episode, with every step-
+and episode-level field) and the earlier ones in `RolloutStats.segments`, which repeat their
+episode's step- and episode-level fields and point to its row (`EpisodeBatch.segment_of`). The
+learner trains on both (`episode.join_segments`) with advantages computed once per episode and
+placed on every segment's tokens by step (`algorithms.segment_advantages`): the segments of one
+episode share its return, its group and its step credit.
+
+A row in its `k`-th segment (k >= 1) samples with its row key folded with `k`, so a rewritten
+context's positions do not reuse the draws of the segment before.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from longhorizon.core.episode import EpisodeBatch
+
+__all__ = ["CONTEXT_MODES", "Segmenter", "segment_keys"]
+
+CONTEXT_MODES = ("full", "window", "summary")
+
+
+class Segmenter:
+  """Decides and carries out the context segment boundaries of one `collect` (window / summary).
+
+  Args:
+    config: the `RolloutConfig` (context_mode, context_every, context_keep, context_segments,
+      context_length, turn_tokens).
+    codec: the rows' codec (the summary's prompt framing).
+    rows: the collect's environment rows (`state_text(r)` for the summary).
+    prompts: each row's prompt ids (the start of a window segment).
+  """
+
+  def __init__(self, config, codec, rows, prompts):
+    self.config, self.codec, self.rows = config, codec, rows
+    self.prompts = [list(p) for p in prompts]
+    b = len(self.prompts)
+    self.index = np.zeros((b,), np.int64)  # the segment each row is in (0 = the first)
+    self.first_step = np.zeros((b,), np.int64)  # the first step of that segment
+    self.saved: list[tuple[int, dict]] = []  # (row, its finished segment's token fields)
+    self.unknown_words = 0
+
+  def cut(self, buffer, r: int, t: int, framed: list[int], fits: bool) -> bool:
+    """After row `r`'s step `t`, whose observation ids (as they would be appended) are `framed`
+    and would leave room for the next turn if `fits`: starts a new segment when one is due and
+    possible (a segment left, and the rewritten context plus one turn fits). Returns whether it
+    did; if not, the caller appends `framed` or truncates the row."""
+    c = self.config
+    due = not fits or (c.context_every and t + 1 - self.first_step[r] >= c.context_every)
+    if not due or self.index[r] + 1 >= c.context_segments:
+      return False
+    ids, turns = self._context(buffer, r, t, framed)
+    if len(ids) + c.turn_tokens + 1 > c.context_length:
+      return False
+    self.saved.append((r, buffer.cut(r, ids, turns)))
+    self.index[r] += 1
+    self.first_step[r] = t + 1
+    return True
+
+  def _context(self, buffer, r: int, t: int, framed: list[int]) -> tuple[list[int], list[int]]:
+    """Row `r`'s rewritten context after step `t`: `(ids, step label of each id)`."""
+    if self.config.context_mode == "summary":
+      text = self.codec.summary_prompt_text(self.rows.state_text(r))
+      ids = self.codec.tokenizer.encode(text, add_special_tokens=False)
+      unk = self.codec.tokenizer.unk_token_id
+      if unk is not None and unk in ids:
+        self.unknown_words += len(self.codec.unknown_words(text))
+      return ids, [-1] * len(ids)
+    out = buffer.batch
+    end = int(buffer.end[r])
+    turn = out.turn[r, :end]
+    keep = np.flatnonzero((turn > t - self.config.context_keep) & (turn <= t))
+    prompt = self.prompts[r]
+    ids = prompt + out.tokens[r, keep].tolist() + list(framed)
+    turns = [-1] * len(prompt) + turn[keep].tolist() + [t] * len(framed)
+    return ids, turns
+
+  def segments(self, batch: EpisodeBatch) -> EpisodeBatch:
+    """The earlier segments as an `EpisodeBatch` of `B * (context_segments - 1)` rows (segment `j`
+    of the saved ones at row `j`, then rows without tokens): each repeats the step- and
+    episode-level fields of its episode's row of the finished `batch` and holds its own tokens."""
+    b = batch.batch_size
+    size = b * (self.config.context_segments - 1)
+    owner = np.zeros((size,), np.int32)
+    owner[:len(self.saved)] = [r for r, _ in self.saved]
+    seg = jax.tree.map(lambda x: np.asarray(x)[owner].copy(), batch)
+    for name in ("tokens", "attention_mask", "loss_mask", "turn", "behavior_logprobs",
+                 "token_version", "action_part"):
+      field = getattr(seg, name)
+      field[len(self.saved):] = -1 if name in ("turn", "token_version") else 0
+      for j, (_, kept) in enumerate(self.saved):
+        field[j] = kept[name]
+    return seg.replace(segment_of=owner)
+
+
+def segment_keys(base_keys, index) -> jax.Array:
+  """`[B]` sampling keys: row `r`'s `base_keys[r]` in its first segment, folded with its segment
+  `index[r]` after."""
+  index = jnp.asarray(index, jnp.uint32)
+  folded = jax.vmap(jax.random.fold_in)(base_keys, index)
+  data = jnp.where((index > 0)[:, None], jax.random.key_data(folded),
+                   jax.random.key_data(base_keys))
+  return jax.random.wrap_key_data(data)
