@@ -108,7 +108,9 @@ def test_rollout_config_fields_come_from_the_config():
                                     "top_p": 0.9, "branch_k": 0, "branch_at": "uniform",
                                     "record_oracle": False, "label_parts": False,
                                     "step_budget": 0, "share_prompts": False,
-                                    "recovery_from": ""}
+                                    "recovery_from": "", "context_mode": "full",
+                                    "context_every": 0, "context_keep": 2,
+                                    "context_segments": 4}
   branched = _parse("--config.rollout.group_size=4", "--config.rollout.branch_k=1",
                     "--config.rollout.branch_at=max_entropy")
   options = RolloutOptions.from_config(branched)

@@ -118,7 +118,7 @@ def test_fields_added_since_a_run_started_resume_at_their_old_behaviour(tmp_path
   for name in ("recovery_groups", "recovery_from", "recovery_capacity", "continue_partial",
                "partial_cache"):
     del saved["rollout"][name]
-  del saved["store"], saved["dpo"], saved["sft"]["store"]
+  del saved["store"], saved["dpo"], saved["sft"]["store"], saved["context"]
   (tmp_path / "config.json").write_text(json.dumps(saved))
   changes = workdir_lib.check_config(work, _config(), resuming=True)
   assert changes["model.moe.num_experts"] == ("<missing>", 0)

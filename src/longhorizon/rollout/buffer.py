@@ -257,7 +257,7 @@ _STEP_FIELDS = ("rewards", "step_mask", "anchor", "milestones", "cost", "latency
 _ROW_FIELDS = _TOKEN_FIELDS + _STEP_FIELDS + (
     "group", "success", "terminated", "truncated", "termination", "num_steps", "score",
     "policy_version", "env_version", "reward_version", "env_seed", "task_seed", "sampling_seed",
-    "parent", "branch_step")
+    "parent", "branch_step", "segment_of")
 
 
 def _check_compatible(parts: list[EpisodeBuffer]) -> None:

@@ -24,7 +24,8 @@ from longhorizon.rollout import BRANCH_POINTS, RECOVERY_FROM, RolloutConfig
 from longhorizon.rollout.context import CONTEXT_MODES
 from longhorizon.rollout.store import KEEP
 
-__all__ = ["ConfigError", "Range", "Options", "ContextOptions", "RolloutOptions", "OptimOptions", "PoolOptions", "PreferenceOptions",
+__all__ = ["ConfigError", "Range", "Options", "ContextOptions", "RolloutOptions", "OptimOptions",
+           "PoolOptions", "PreferenceOptions",
            "option", "fail",
            "as_config", "section_ranges", "COUNT",
            "NON_NEGATIVE_INT", "NON_NEGATIVE", "POSITIVE", "PROBABILITY", "DISCOUNT"]
