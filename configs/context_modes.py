@@ -1,0 +1,53 @@
+"""Context modes at a horizon the context cannot hold (issue 20, point 1).
+
+pointer_chain with N = 32 hops (33 actions) in a 128-token context: `full` overflows after about
+13 steps, so even the oracle cannot finish; `window` keeps the prompt and the last 2 turns;
+`summary` restates the task from where the chain stands ("start K hops H", the environment's
+`state_text`). Same warm start recipe (SFT on noisy oracle episodes collected in the mode's own
+contexts), same GRPO budget.
+
+    python experiments/train.py --config=configs/context_modes.py:summary --workdir=DIR
+    python experiments/train.py --config=configs/context_modes.py:summary,1 --workdir=DIR  # seed 1
+
+The variant is `MODE` or `MODE,SEED`. Results: `docs/context_modes.md`.
+"""
+
+import importlib.util
+import os
+
+MODES = ("full", "window", "summary")
+HOPS = 32
+
+
+def _default():
+  spec = importlib.util.spec_from_file_location(
+      "default_config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def get_config(arg="summary"):
+  mode, _, seed = (arg or "summary").partition(",")
+  if mode not in MODES:
+    raise ValueError(f"unknown context mode {mode!r}; use one of {MODES} (optionally ',SEED').")
+  config = _default()
+  config.unlock()
+  config.seed = int(seed or 0)
+  config.env.params.horizon = HOPS
+  config.env.max_steps = HOPS + 4
+  config.rollout.context_length = 128
+  config.rollout.turn_tokens = 4
+  config.rollout.num_tasks = 8
+  config.rollout.group_size = 8
+  config.num_updates = 36
+  config.sft.demo_epsilon = 0.05
+  config.eval.num_tasks = 64
+  config.eval.k = 2
+  config.context.mode = mode
+  config.context.keep = 2
+  config.context.segments = 5
+  config.checkpoint_every = 6
+  config.progress = False
+  config.lock()
+  return config
