@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from longhorizon import envs, rollout
+from longhorizon.rollout import context
 from longhorizon.core.episode import episodes_only, join_segments, to_device
 from longhorizon.envs import testing
 from longhorizon.models import init_params, tiny_config
@@ -119,6 +120,27 @@ def test_learner_logprobs_equal_the_samplers_on_every_segment(env, codec, model,
   np.testing.assert_allclose(logp[mask], rows.behavior_logprobs[mask], atol=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["window", "summary"])
+def test_the_unrewritten_history_is_what_full_would_hold(env, codec, tasks, mode):
+  """For the (deterministic) oracle, each rewritten segment's turns after the history `full` would
+  hold are exactly the full-mode episode's tokens (in a context that holds it whole)."""
+  batch, stats = _oracle(env, codec, tasks, _rc(mode))
+  full, _ = _oracle(env, codec, tasks, _rc("full", context_length=256))
+  assert full.success.all() and stats.rewritten
+  rows = join_segments(batch, stats.segments)
+  rewritten, unrewritten = context.rewrite_pairs(rows, stats.rewritten, 256)
+  owners = np.where(rows.segment_of < 0, np.arange(rows.batch_size), rows.segment_of)
+  for i, (j, _, start) in enumerate(stats.rewritten):
+    n = int(unrewritten.attention_mask[i].sum())
+    np.testing.assert_array_equal(unrewritten.tokens[i, :n], full.tokens[owners[j], :n])
+    np.testing.assert_array_equal(rewritten.tokens[i], rows.tokens[j])
+    # Both score the segment's own turns only, the same tokens.
+    np.testing.assert_array_equal(rewritten.tokens[i][rewritten.loss_mask[i]],
+                                  unrewritten.tokens[i][unrewritten.loss_mask[i]])
+    assert rewritten.loss_mask[i].sum() == rows.loss_mask[j].sum() > 0
+    assert not rewritten.loss_mask[i, :start].any()
+
+
 def test_segment_rows_repeat_their_episode(env, codec, tasks):
   batch, stats = _oracle(env, codec, tasks, _rc("summary"))
   rows = join_segments(batch, stats.segments)
@@ -208,6 +230,7 @@ def _train_config(tmp_path, **changes):
   return config
 
 
+@pytest.mark.slow
 def test_training_on_segments_does_not_recompile(tmp_path):
   from longhorizon.train.learner import Learner
   from longhorizon.train.metrics import Timer

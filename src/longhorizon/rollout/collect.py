@@ -175,6 +175,10 @@ class RolloutStats:
   # rows without tokens pad it to that fixed size), for `episode.join_segments`; else None.
   segments: Any = None
   segment_starts: int = 0  # new context segments begun (window / summary)
+  # Each segment begun from a rewritten context: `(its row in join_segments(batch, segments), the
+  # ids full would hold before its first turn, its rewritten context's length)`, for
+  # `context.rewrite_pairs` (the distribution shift of the rewrite).
+  rewritten: Any = None
 
   def as_dict(self) -> dict:
     total = self.generation_s + self.env_s + self.host_s
@@ -193,7 +197,7 @@ def merge_stats(first: RolloutStats, second: RolloutStats) -> RolloutStats:
   `episode_info` concatenated (first's rows, then second's), `first`'s `extra` and `recovery`."""
   sums = {f.name: getattr(first, f.name) + getattr(second, f.name)
           for f in dataclasses.fields(RolloutStats)
-          if f.name not in ("episode_info", "extra", "recovery", "segments")}
+          if f.name not in ("episode_info", "extra", "recovery", "segments", "rewritten")}
   if first.segments is not None or second.segments is not None:
     raise ValueError("merge_stats: batches with context segments are not merged (context.mode "
                      "window / summary runs without recovery groups).")
@@ -294,6 +298,7 @@ def collect(params, model_config: ModelConfig, env: Environment, codec, tasks: A
     if segmenter is not None:
       stats.segments = segmenter.segments(batch)
       stats.segment_starts = len(segmenter.saved)
+      stats.rewritten = segmenter.rewritten(batch.batch_size)
       stats.unknown_words += segmenter.unknown_words
     if config.recovery_from:  # before branching: a host pool's rows then become the branches
       stats.recovery = recovery_starts(batch, buffer, rows, config.recovery_from, _reached)

@@ -36,9 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from longhorizon.core.episode import EpisodeBatch
+from longhorizon.core.episode import EpisodeBatch, empty
 
-__all__ = ["CONTEXT_MODES", "Segmenter", "segment_keys"]
+__all__ = ["CONTEXT_MODES", "Segmenter", "rewrite_pairs", "segment_keys"]
 
 CONTEXT_MODES = ("full", "window", "summary")
 
@@ -62,6 +62,11 @@ class Segmenter:
     self.first_step = np.zeros((b,), np.int64)  # the first step of that segment
     self.saved: list[tuple[int, dict]] = []  # (row, its finished segment's token fields)
     self.unknown_words = 0
+    # What `full` would hold: each row's prompt, every turn and every observation, in order; the
+    # current segment's own tokens (after its rewritten context) start at `own_start`.
+    self.history = [list(p) for p in self.prompts]
+    self.own_start = np.array([len(p) for p in self.prompts], np.int64)
+    self.rewrites: list[tuple[int, list[int], int]] = []  # (row, full history, rewritten length)
 
   def cut(self, buffer, r: int, t: int, framed: list[int], fits: bool) -> bool:
     """After row `r`'s step `t`, whose observation ids (as they would be appended) are `framed`
@@ -75,7 +80,10 @@ class Segmenter:
     ids, turns = self._context(buffer, r, t, framed)
     if len(ids) + c.turn_tokens + 1 > c.context_length:
       return False
+    self.history[r] += buffer.batch.tokens[r, self.own_start[r]:buffer.end[r]].tolist() + framed
     self.saved.append((r, buffer.cut(r, ids, turns)))
+    self.rewrites.append((r, list(self.history[r]), len(ids)))
+    self.own_start[r] = len(ids)
     self.index[r] += 1
     self.first_step[r] = t + 1
     return True
@@ -114,6 +122,50 @@ class Segmenter:
       for j, (_, kept) in enumerate(self.saved):
         field[j] = kept[name]
     return seg.replace(segment_of=owner)
+
+
+  def rewritten(self, batch_size: int) -> list[tuple[int, list[int], int]]:
+    """Every segment that starts from a rewritten context, as `(its row in join_segments(batch,
+    segments), the ids full would hold before its first turn, the length of its rewritten
+    context)`: the pairs `rewrite_pairs` compares."""
+    rows: dict[int, list[int]] = {}  # episode row -> the joined rows of its segments, in order
+    for j, (r, _) in enumerate(self.saved):
+      rows.setdefault(r, []).append(batch_size + j)
+    out = []
+    seen: dict[int, int] = {}
+    for r, history, length in self.rewrites:
+      k = seen[r] = seen.get(r, 0) + 1  # the k-th rewrite of row r starts its segment k
+      order = rows[r] + [r]
+      out.append((order[k], history, length))
+    return out
+
+
+def rewrite_pairs(rows: EpisodeBatch, rewritten, length: int):
+  """`(rewritten, unrewritten)` host `EpisodeBatch`es of `len(rewritten)` rows each (`rewritten`
+  from `Segmenter.rewritten`; `rows` the joined batch): row `i` of the first is segment
+  `rewritten[i]`'s row as the policy saw it; of the second, the same turns after the history `full`
+  would hold instead (`length` tokens wide). Both have loss 1 on the segment's own sampled tokens
+  only, so their log-probs there compare the policy with and without the rewrite."""
+  n = len(rewritten)
+  width = rows.context_length
+  out = [empty(n, width, rows.max_steps), empty(n, length, rows.max_steps)]
+  for i, (j, history, start) in enumerate(rewritten):
+    end = int(np.asarray(rows.attention_mask[j]).sum())
+    own = np.asarray(rows.tokens[j][start:end])
+    own_loss = np.asarray(rows.loss_mask[j][start:end], bool)
+    own_turn = np.asarray(rows.turn[j][start:end])
+    for batch, prefix in ((out[0], np.asarray(rows.tokens[j][:start])), (out[1], history)):
+      ids = np.concatenate([np.asarray(prefix, np.int32), own]).astype(np.int32)
+      if len(ids) > batch.context_length:
+        raise ValueError(f"rewrite_pairs: segment row {j} needs {len(ids)} tokens without the "
+                         f"rewrite; pass a length of at least that.")
+      p = len(prefix)
+      batch.tokens[i, :len(ids)] = ids
+      batch.attention_mask[i, :len(ids)] = True
+      batch.loss_mask[i, p:len(ids)] = own_loss
+      batch.turn[i, p:len(ids)] = own_turn
+      batch.positions[i] = np.arange(batch.context_length)
+  return out[0], out[1]
 
 
 def segment_keys(base_keys, index) -> jax.Array:
