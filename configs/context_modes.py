@@ -42,6 +42,7 @@ def get_config(arg="summary"):
   config.rollout.group_size = 8
   config.num_updates = 36
   config.sft.demo_epsilon = 0.05
+  config.sft.steps = 300  # the copy of each value into the next lookup emerges after ~60 steps
   config.eval.num_tasks = 64
   config.eval.k = 2
   config.context.mode = mode
