@@ -3,7 +3,8 @@
 pointer_chain with N = 32 hops (33 actions) in a 128-token context: `full` overflows after about
 13 steps, so even the oracle cannot finish; `window` keeps the prompt and the last 2 turns;
 `summary` restates the task from where the chain stands ("start K hops H", the environment's
-`state_text`). Same warm start recipe (SFT on noisy oracle episodes collected in the mode's own
+`state_text`); `policy` has the policy write that summary itself as a trained turn. Same warm
+start recipe (SFT on noisy oracle episodes collected in the mode's own
 contexts), same GRPO budget.
 
     python experiments/train.py --config=configs/context_modes.py:summary --workdir=DIR
@@ -15,7 +16,7 @@ The variant is `MODE` or `MODE,SEED`. Results: `docs/context_modes.md`.
 import importlib.util
 import os
 
-MODES = ("full", "window", "summary")
+MODES = ("full", "window", "summary", "policy")  # policy: the summary written by the policy
 HOPS = 32
 
 
@@ -45,7 +46,10 @@ def get_config(arg="summary"):
   config.sft.steps = 300  # the copy of each value into the next lookup emerges after ~60 steps
   config.eval.num_tasks = 64
   config.eval.k = 2
-  config.context.mode = mode
+  config.context.mode = "summary" if mode == "policy" else mode
+  if mode == "policy":
+    config.context.summary_by = "policy"
+    config.context.summary_tokens = 8  # "start K hops H" and the end of turn fit in 6
   config.context.keep = 2
   config.context.segments = 5
   config.checkpoint_every = 6

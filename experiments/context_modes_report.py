@@ -1,6 +1,7 @@
 r"""Context modes at an overflowing horizon: the report of configs/context_modes.py's runs.
 
-    python experiments/train.py --config=configs/context_modes.py:MODE,SEED --workdir=ROOT/MODE_sSEED
+    python experiments/train.py --config=configs/context_modes.py:MODE,SEED \
+        --workdir=ROOT/MODE_sSEED
     python experiments/context_modes_report.py --root=ROOT --out=experiments/results/context_modes
 
 Reads every run folder under --root that has an `eval.json` (unfinished ones are named in the log
@@ -48,7 +49,7 @@ _EPISODES = flags.DEFINE_integer("episodes", 32, "Test episodes sampled per run 
                                  "context lengths and the rewrite's shift.")
 flags.mark_flags_as_required(["root"])
 
-MODES = ("full", "window", "summary")
+MODES = ("full", "window", "summary", "policy")
 
 
 def context_lengths(rows, max_steps: int) -> list[float | None]:
@@ -114,7 +115,10 @@ def read_runs(root: str, episodes: int) -> list[dict]:
     with open(os.path.join(run, "eval.json"), encoding="utf-8") as f:
       result = json.load(f)
     logging.info("measuring %s", run)
-    row = {"run": os.path.basename(run), "mode": config["context"]["mode"],
+    mode = config["context"]["mode"]
+    if mode == "summary" and config["context"].get("summary_by") == "policy":
+      mode = "policy"
+    row = {"run": os.path.basename(run), "mode": mode,
            "seed": config["seed"], "num_updates": result["num_updates"],
            "warm_start": result["warm_start_success_rate"], "final": result["success_rate"],
            "greedy": result.get("greedy_success_rate"),
@@ -149,7 +153,8 @@ def _mean(runs, key) -> str:
 
 
 def _plots(runs: list[dict], out: str) -> None:
-  colors = {"full": "tab:gray", "window": "tab:blue", "summary": "tab:green"}
+  colors = {"full": "tab:gray", "window": "tab:blue", "summary": "tab:green",
+            "policy": "tab:orange"}
   fig = Figure(figsize=(6, 3.6))
   ax = fig.subplots()
   for r in runs:

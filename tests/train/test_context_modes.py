@@ -33,9 +33,13 @@ def tasks(env):
 
 
 def _rc(mode, **overrides):
+  """`mode` is a context mode, or "policy": summary written by the policy (8 tokens at most)."""
+  by_policy = (dict(context_summary_by="policy", context_summary_tokens=8) if mode == "policy"
+               else {})
   return rollout.RolloutConfig(**{**dict(
-      group_size=2, context_length=64, max_steps=MAX_STEPS, turn_tokens=4, context_mode=mode,
-      context_every=0, context_keep=2, context_segments=5), **overrides})
+      group_size=2, context_length=64, max_steps=MAX_STEPS, turn_tokens=4,
+      context_mode="summary" if mode == "policy" else mode, context_every=0, context_keep=2,
+      context_segments=5), **by_policy, **overrides})
 
 
 def _oracle(env, codec, tasks, rc):
@@ -103,7 +107,7 @@ def test_window_is_the_prompt_and_the_last_turns_copied(env, codec, tasks):
 
 
 @pytest.mark.parametrize("mode,every", [("window", 0), ("summary", 0), ("summary", 3),
-                                        ("window", 2)])
+                                        ("window", 2), ("policy", 0), ("policy", 2)])
 def test_learner_logprobs_equal_the_samplers_on_every_segment(env, codec, model, tasks, mode,
                                                               every):
   config, params = model
@@ -120,7 +124,7 @@ def test_learner_logprobs_equal_the_samplers_on_every_segment(env, codec, model,
   np.testing.assert_allclose(logp[mask], rows.behavior_logprobs[mask], atol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["window", "summary"])
+@pytest.mark.parametrize("mode", ["window", "summary"])  # (policy's keeps its summary turns)
 def test_the_unrewritten_history_is_what_full_would_hold(env, codec, tasks, mode):
   """For the (deterministic) oracle, each rewritten segment's turns after the history `full` would
   hold are exactly the full-mode episode's tokens (in a context that holds it whole)."""
@@ -139,6 +143,42 @@ def test_the_unrewritten_history_is_what_full_would_hold(env, codec, tasks, mode
                                   unrewritten.tokens[i][unrewritten.loss_mask[i]])
     assert rewritten.loss_mask[i].sum() == rows.loss_mask[j].sum() > 0
     assert not rewritten.loss_mask[i, :start].any()
+
+
+def test_the_policys_summary_is_a_trained_turn_carried_exactly(env, codec, model, tasks):
+  """summary_by="policy": each earlier segment ends with the observation, the request and the
+  summary the policy sampled (loss 1, behaviour log-probs); the next segment is the prompt's
+  framing around exactly those ids (end of turn dropped), untrained."""
+  config, params = model
+  task, keys = tasks
+  batch, stats = rollout.collect(params, config, env, codec, task, keys,
+                                 _rc("policy", context_length=80, context_every=2),
+                                 sampling_seed=3)
+  assert stats.summary_turns > 0 and stats.summary_turns == stats.segment_starts
+  rows = join_segments(batch, stats.segments).validate()
+  request = codec.tokenizer.encode(context.summary_request("compact"), add_special_tokens=False)
+  head, tail = (codec.tokenizer.encode(x, add_special_tokens=False)
+                for x in codec.summary_prompt_text(context._MARK).split(context._MARK))
+  eot = codec.stop_token_ids
+  checked = 0
+  for i in range(batch.batch_size):
+    own = [i] + [j for j in np.flatnonzero(rows.segment_of == i) if rows.loss_mask[j].any()]
+    segments = sorted(own, key=lambda j: rows.turn[j][rows.loss_mask[j]].min())
+    for before, after in zip(segments, segments[1:]):
+      end = int(rows.attention_mask[before].sum())
+      last = rows.turn[before][end - 1]
+      summary = np.flatnonzero(rows.loss_mask[before] & (rows.turn[before] == last))
+      summary = summary[summary > np.flatnonzero(~rows.loss_mask[before][:end])[-1]]
+      start = int(summary[0])
+      np.testing.assert_array_equal(rows.tokens[before][start - len(request):start], request)
+      ids = rows.tokens[before][summary].tolist()
+      ids = ids[:-1] if ids[-1] in eot else ids
+      context_ids = head + ids + tail
+      np.testing.assert_array_equal(rows.tokens[after][:len(context_ids)], context_ids)
+      assert not rows.loss_mask[after][:len(context_ids)].any()
+      assert (rows.behavior_logprobs[before][summary] < 0).all()
+      checked += 1
+  assert checked > 0
 
 
 def test_segment_rows_repeat_their_episode(env, codec, tasks):
@@ -231,10 +271,12 @@ def _train_config(tmp_path, **changes):
 
 
 @pytest.mark.slow
-def test_training_on_segments_does_not_recompile(tmp_path):
+@pytest.mark.parametrize("summary_by", ["env", "policy"])
+def test_training_on_segments_does_not_recompile(tmp_path, summary_by):
   from longhorizon.train.learner import Learner
   from longhorizon.train.metrics import Timer
-  s = Learner.build(_train_config(tmp_path))
+  s = Learner.build(_train_config(tmp_path, **{"context.summary_by": summary_by,
+                                               "context.summary_tokens": 8}))
   state = s.with_reference(s.initial_state())
   state, _ = s.warm_start(state)
   seen = []
@@ -245,6 +287,8 @@ def test_training_on_segments_does_not_recompile(tmp_path):
   assert all(m["rollout/segment_starts"] > 0 for m in seen)
   assert all(np.isfinite(m["loss"]) for m in seen)
   assert [f._cache_size() for f in s._jitted.values()] == [1]  # fixed rows: one compilation
+  if summary_by == "policy":
+    assert all(m["rollout/summary_turns"] > 0 for m in seen)
   report = s.evaluate(state.params, "test", 4, temperature=0.0, seed=0)
   assert report["mean_steps"] > 3  # evaluation runs in the same context mode: past the overflow
 

@@ -110,7 +110,8 @@ def test_rollout_config_fields_come_from_the_config():
                                     "step_budget": 0, "share_prompts": False,
                                     "recovery_from": "", "context_mode": "full",
                                     "context_every": 0, "context_keep": 2,
-                                    "context_segments": 4}
+                                    "context_segments": 4, "context_summary_by": "env",
+                                    "context_summary_tokens": 24}
   branched = _parse("--config.rollout.group_size=4", "--config.rollout.branch_k=1",
                     "--config.rollout.branch_at=max_entropy")
   options = RolloutOptions.from_config(branched)

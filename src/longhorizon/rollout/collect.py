@@ -53,7 +53,7 @@ from longhorizon.envs.testing import random_action
 from longhorizon.envs.types import row, to_numpy
 from longhorizon.models import ModelConfig, prepare_decode_params
 from longhorizon.rollout.buffer import EpisodeBuffer
-from longhorizon.rollout.context import CONTEXT_MODES, Segmenter, segment_keys
+from longhorizon.rollout.context import CONTEXT_MODES, SUMMARY_BY, Segmenter, segment_keys
 from longhorizon.rollout.recovery import (RECOVERY_FROM, RecoveryStarts, first_error_steps,
                                            recovery_starts)
 from longhorizon.envs import RewardSpec
@@ -107,6 +107,10 @@ class RolloutConfig:
   context_every: int = 0
   context_keep: int = 2
   context_segments: int = 4
+  # summary: who writes it: "env" (`Environment.state_text`) or "policy" (a turn of at most
+  # `context_summary_tokens` sampled after a request, trained with the episode's advantage).
+  context_summary_by: str = "env"
+  context_summary_tokens: int = 24
 
   def __post_init__(self):
     for name in ("group_size", "context_length", "max_steps", "turn_tokens"):
@@ -129,6 +133,10 @@ class RolloutConfig:
       raise ValueError(f"RolloutConfig.context_mode={self.context_mode!r} does not branch or keep "
                        f"recovery starts (a fork would need the segment its step is in); use "
                        f"branch_k=0 and recovery_from=''.")
+    if self.context_summary_by not in SUMMARY_BY or self.context_summary_tokens < 1:
+      raise ValueError(f"RolloutConfig.context_summary_by must be one of {SUMMARY_BY} and "
+                       f"context_summary_tokens >= 1, got {self.context_summary_by!r}, "
+                       f"{self.context_summary_tokens}.")
     if self.context_every < 0 or self.context_keep < 1 or self.context_segments < 1:
       raise ValueError(f"RolloutConfig: context_every >= 0, context_keep >= 1 and "
                        f"context_segments >= 1 are needed, got {self.context_every}, "
@@ -175,6 +183,7 @@ class RolloutStats:
   # rows without tokens pad it to that fixed size), for `episode.join_segments`; else None.
   segments: Any = None
   segment_starts: int = 0  # new context segments begun (window / summary)
+  summary_turns: int = 0  # summaries the policy wrote (context summary_by="policy")
   # Each segment begun from a rewritten context: `(its row in join_segments(batch, segments), the
   # ids full would hold before its first turn, its rewritten context's length)`, for
   # `context.rewrite_pairs` (the distribution shift of the rewrite).
@@ -189,6 +198,7 @@ class RolloutStats:
             "rollout/env_steps_per_s": self.env_steps / max(total, 1e-9),
             "rollout/generation_frac": self.generation_s / max(total, 1e-9),
             **({"rollout/segment_starts": self.segment_starts} if self.segment_starts else {}),
+            **({"rollout/summary_turns": self.summary_turns} if self.summary_turns else {}),
             **self.extra}
 
 
@@ -381,15 +391,40 @@ def _run_turns(buffer: EpisodeBuffer, policy, rows, codec, config: RolloutConfig
     stats.env_steps += int(active.sum())
     with _timed(stats, "host_s"):
       going_on = active & ~buffer.record_step(steps, active, ts, rows.env_reward(ts))
-      observations, cut = _append_observations(buffer, codec, config, stats, steps, going_on,
-                                               rows.observation, turn.stopped, segmenter)
+      observations, cut, ask = _append_observations(buffer, codec, config, stats, steps,
+                                                    going_on, rows.observation, turn.stopped,
+                                                    segmenter)
+    extended = ask.any()
+    if extended:  # the policy writes the summaries that rewrite these rows' contexts
+      _summary_turns(buffer, policy, rows, segmenter, stats, observations, steps, ask)
+      cut |= ask & ~buffer.done
     steps = steps + active
     if cut.any():  # rewritten contexts: the cache is prefilled again from every row's context
       with _timed(stats, "generation_s"):
         policy.restart(buffer, segmenter.index)
-    elif any(observations):
+    elif any(observations) and not extended:
       with _timed(stats, "generation_s"):
         policy.extend(observations)
+
+
+def _summary_turns(buffer: EpisodeBuffer, policy, rows, segmenter: Segmenter,
+                   stats: RolloutStats, observations, steps, ask) -> None:
+  """The rows `ask` asked for a summary after step `steps[r]` (their observation and the request
+  are in `observations`): the cache is extended, the policy samples each summary turn (loss 1,
+  that step's turn; its behaviour log-probs kept), and the row's context is rewritten around it
+  (a row whose rewrite would not fit is truncated)."""
+  limit = segmenter.config.context_summary_tokens
+  with _timed(stats, "generation_s"):
+    policy.extend(observations)
+    turn = policy.summary_turn(rows, ask, np.minimum(limit, buffer.budgets(limit)))
+  with _timed(stats, "host_s"):
+    stats.sampled_tokens += buffer.write_turn(steps, ask, turn.tokens, turn.logprobs,
+                                              turn.lengths, policy.version)
+    stats.summary_turns += int(ask.sum())
+    for r in np.nonzero(ask)[0]:
+      ids = turn.tokens[r, :int(turn.lengths[r])].tolist()
+      if not segmenter.summarised(buffer, r, int(steps[r]), ids):
+        buffer.stop(r, Termination.CONTEXT_OVERFLOW)
 
 
 def _finish(buffer: EpisodeBuffer, policy, env, reward, groups, env_seed, labels,
@@ -799,6 +834,11 @@ class _ModelPolicy:
       self.cache, self.last_logits = sampler.prefill(self.params, self.model_config, tokens,
                                                      lengths, self.length)
 
+  def summary_turn(self, rows, ask, budgets) -> _Turn:
+    """The summary turn of the rows `ask`, sampled from their contexts (which end with the
+    request)."""
+    return self.turn(rows.states(ask), ask, budgets)
+
   def restart(self, buffer: EpisodeBuffer, segment_index) -> None:
     """The cache prefilled again from every row's context in `buffer`, after some rows began new
     context segments (`rollout/context.py`; `segment_index [B]`, the segment each row is in, which
@@ -866,6 +906,19 @@ class _ScriptedPolicy:
   def restart(self, buffer: EpisodeBuffer, segment_index) -> None:
     del buffer, segment_index  # acts on the states only
 
+  def summary_turn(self, rows, ask, budgets) -> _Turn:
+    """The demonstrated summary: the environment's `state_text` of each row `ask`, then the end
+    of turn, clipped to the budget."""
+    b = len(ask)
+    tokens = np.zeros((b, max(int(np.max(budgets, initial=1)), 1)), np.int32)
+    lengths, stopped = np.zeros((b,), np.int32), np.zeros((b,), bool)
+    for r in np.nonzero(ask)[0]:
+      ids = (rows.codec.tokenizer.encode(" " + rows.state_text(r), add_special_tokens=False)
+             + list(self.stop_ids[:1]))[:int(budgets[r])]
+      tokens[r, :len(ids)], lengths[r] = ids, len(ids)
+      stopped[r] = bool(ids) and ids[-1] in self.stop_ids
+    return _Turn(tokens, np.zeros(tokens.shape, np.float32), lengths, stopped)
+
   def fork(self, parents, prefix_ends, last_tokens, row_ids) -> "_ScriptedPolicy":
     del parents, prefix_ends, last_tokens, row_ids  # acts on the states only
     return self
@@ -891,16 +944,18 @@ def _parse_actions(env: Environment, codec, turn: _Turn, active) -> tuple[Action
 
 def _append_observations(buffer: EpisodeBuffer, codec, config: RolloutConfig,
                          stats: RolloutStats, steps, rows, observation, stopped,
-                         segmenter: Segmenter | None = None) -> tuple[list, np.ndarray]:
+                         segmenter: Segmenter | None = None) -> tuple[list, np.ndarray,
+                                                                      np.ndarray]:
   """Appends the observation of step `steps[r]` (`observation(r) -> (ids, text function)`) to each
   of `rows` (`[B]` bool, the rows that go on), after an end-of-turn token where the turn hit its
   budget instead. Stops a row as `TIMEOUT` after the last step, and as `CONTEXT_OVERFLOW` when its
   observation plus one more turn would not fit (and the `segmenter`, if any, starts no new
-  segment instead). Returns the ids appended to each row (`[]` for none) and `[B]` bool, the rows
-  that started a new context segment."""
+  segment instead). Returns the ids appended to each row (`[]` for none), `[B]` bool the rows
+  that started a new context segment, and `[B]` bool the rows whose appended ids end with the
+  request for the policy's summary (context summary_by="policy")."""
   eot = codec.stop_token_ids[0]
   appended = [[] for _ in range(len(rows))]
-  cut = np.zeros((len(rows),), bool)
+  cut, ask = np.zeros((len(rows),), bool), np.zeros((len(rows),), bool)
   for r in np.nonzero(rows)[0]:
     if steps[r] + 1 >= (config.step_budget or config.max_steps):
       buffer.stop(r, Termination.TIMEOUT)
@@ -909,18 +964,23 @@ def _append_observations(buffer: EpisodeBuffer, codec, config: RolloutConfig,
     ids = list(ids)
     framed = ([] if stopped[r] else [eot]) + ids
     fits = buffer.end[r] + len(framed) + config.turn_tokens + 1 <= config.context_length
-    if segmenter is not None and segmenter.cut(buffer, r, int(steps[r]), framed, fits):
+    boundary = segmenter.cut(buffer, r, int(steps[r]), framed, fits) if segmenter else ""
+    if boundary == "cut":
       cut[r] = True
       if config.context_mode == "window":  # the observation is in the new context
         stats.unknown_words += _unknown_count(codec, ids, text)
       continue
+    if boundary == "ask":  # the observation, then the request for the policy's summary
+      ask[r] = True
+      framed = framed + segmenter.request
+      fits = True
     if not fits:
       buffer.stop(r, Termination.CONTEXT_OVERFLOW)
       continue
     stats.unknown_words += _unknown_count(codec, ids, text)
     buffer.append_observation(r, steps[r], framed)
     appended[r] = framed
-  return appended, cut
+  return appended, cut, ask
 
 
 def _labels(env: Environment, reward: RewardSpec, group, env_seed, *, policy_version: int,

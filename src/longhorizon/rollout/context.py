@@ -9,7 +9,13 @@
   observation.
 * `summary`: at a segment boundary the context is rewritten as the system text plus the
   environment's state summary (`Environment.state_text`, written in the task's place), from which
-  the policy goes on as from a fresh task.
+  the policy goes on as from a fresh task. With `context_summary_by="policy"` the policy writes
+  the summary itself: at the boundary the row gets the observation and a request
+  (`summary_request`), the policy samples a turn of at most `context_summary_tokens` (loss 1,
+  behaviour log-probs, the step's turn: trained with the episode's advantage like any action),
+  and the new context is the prompt's framing around exactly the sampled ids. The boundary then
+  comes while the request and a whole summary still fit. Demonstrations (a scripted policy) write
+  the environment's `state_text` there.
 
 A boundary comes after every `context_every` steps of a segment, or (`context_every` 0, or
 sooner) when the next observation and turn would not fit. An episode holds at most
@@ -38,9 +44,11 @@ import numpy as np
 
 from longhorizon.core.episode import EpisodeBatch, empty
 
-__all__ = ["CONTEXT_MODES", "Segmenter", "rewrite_pairs", "segment_keys"]
+__all__ = ["CONTEXT_MODES", "SUMMARY_BY", "Segmenter", "rewrite_pairs", "segment_keys",
+           "summary_request"]
 
 CONTEXT_MODES = ("full", "window", "summary")
+SUMMARY_BY = ("env", "policy")  # who writes a summary segment's summary
 
 
 class Segmenter:
@@ -67,26 +75,69 @@ class Segmenter:
     self.history = [list(p) for p in self.prompts]
     self.own_start = np.array([len(p) for p in self.prompts], np.int64)
     self.rewrites: list[tuple[int, list[int], int]] = []  # (row, full history, rewritten length)
+    # summary_by="policy": the request appended before the summary turn, and the ids a summary
+    # context starts and ends with (the prompt's framing around it).
+    self.by_policy = config.context_mode == "summary" and config.context_summary_by == "policy"
+    if self.by_policy:
+      if getattr(codec, "chat", False):
+        raise ValueError("context summary_by='policy' frames its request in the compact / "
+                         "plain-text prompt; chat-template codecs are not supported (use "
+                         "summary_by='env').")
+      encode = lambda text: codec.tokenizer.encode(text, add_special_tokens=False)
+      self.request = encode(summary_request(codec.style))
+      head, tail = codec.summary_prompt_text(_MARK).split(_MARK)
+      self.head, self.tail = encode(head), encode(tail)
 
-  def cut(self, buffer, r: int, t: int, framed: list[int], fits: bool) -> bool:
+  def cut(self, buffer, r: int, t: int, framed: list[int], fits: bool) -> str:
     """After row `r`'s step `t`, whose observation ids (as they would be appended) are `framed`
     and would leave room for the next turn if `fits`: starts a new segment when one is due and
-    possible (a segment left, and the rewritten context plus one turn fits). Returns whether it
-    did; if not, the caller appends `framed` or truncates the row."""
+    possible (a segment left, and the rewritten context plus one turn fits). Returns "cut" if it
+    did; "ask" (the policy writes the summary) if the caller is to append `framed` and then
+    `self.request` for the row's summary turn (`summarised` rewrites after it); "" if neither:
+    the caller appends `framed` or truncates the row."""
     c = self.config
-    due = not fits or (c.context_every and t + 1 - self.first_step[r] >= c.context_every)
-    if not due or self.index[r] + 1 >= c.context_segments:
-      return False
+    if self.index[r] + 1 >= c.context_segments:
+      return ""
+    every = c.context_every and t + 1 - self.first_step[r] >= c.context_every
+    if self.by_policy:
+      return "ask" if self._ask(buffer, r, framed, every) else ""
+    if not (every or not fits):
+      return ""
     ids, turns = self._context(buffer, r, t, framed)
     if len(ids) + c.turn_tokens + 1 > c.context_length:
+      return ""
+    self._rewrite(buffer, r, t, ids, turns, framed)
+    return "cut"
+
+  def _ask(self, buffer, r: int, framed: list[int], every: bool) -> bool:
+    """Whether row `r` asks the policy for its summary now: due by `every`, or because after one
+    more step (an action and an observation as long as `framed`) the request and a whole summary
+    would no longer fit; and they fit now."""
+    c = self.config
+    ask = len(framed) + len(self.request) + c.context_summary_tokens + 1
+    now = buffer.end[r] + ask <= c.context_length
+    later = buffer.end[r] + len(framed) + c.turn_tokens + 1 + ask <= c.context_length
+    return bool(now and (every or not later))
+
+  def summarised(self, buffer, r: int, t: int, summary: list[int]) -> bool:
+    """Row `r` wrote `summary` (its sampled ids, end of turn included or not) after step `t`'s
+    observation and the request: its context is rewritten as the prompt's framing around the
+    summary's ids, copied as sampled. False (nothing changed) if that would not fit."""
+    eot = self.codec.stop_token_ids
+    ids = list(summary[:-1] if summary and summary[-1] in eot else summary)
+    context = self.head + ids + self.tail
+    if len(context) + self.config.turn_tokens + 1 > self.config.context_length:
       return False
+    self._rewrite(buffer, r, t, context, [-1] * len(context), [])
+    return True
+
+  def _rewrite(self, buffer, r, t, ids, turns, framed) -> None:
     self.history[r] += buffer.batch.tokens[r, self.own_start[r]:buffer.end[r]].tolist() + framed
     self.saved.append((r, buffer.cut(r, ids, turns)))
     self.rewrites.append((r, list(self.history[r]), len(ids)))
     self.own_start[r] = len(ids)
     self.index[r] += 1
     self.first_step[r] = t + 1
-    return True
 
   def _context(self, buffer, r: int, t: int, framed: list[int]) -> tuple[list[int], list[int]]:
     """Row `r`'s rewritten context after step `t`: `(ids, step label of each id)`."""
@@ -166,6 +217,15 @@ def rewrite_pairs(rows: EpisodeBatch, rewritten, length: int):
       batch.turn[i, p:len(ids)] = own_turn
       batch.positions[i] = np.arange(batch.context_length)
   return out[0], out[1]
+
+
+_MARK = "\u2063SUMMARY\u2063"  # where the summary goes in the prompt's framing
+
+
+def summary_request(style: str) -> str:
+  """What is appended after the observation to ask the policy for its summary (compact: words of
+  every codec's vocabulary)."""
+  return " text :" if style == "compact" else " Summarise the state in one line:"
 
 
 def segment_keys(base_keys, index) -> jax.Array:

@@ -21,7 +21,7 @@ import ml_collections
 
 from longhorizon.core.preference import PAIR_LEVELS
 from longhorizon.rollout import BRANCH_POINTS, RECOVERY_FROM, RolloutConfig
-from longhorizon.rollout.context import CONTEXT_MODES
+from longhorizon.rollout.context import CONTEXT_MODES, SUMMARY_BY
 from longhorizon.rollout.store import KEEP
 
 __all__ = ["ConfigError", "Range", "Options", "ContextOptions", "RolloutOptions", "OptimOptions",
@@ -283,11 +283,16 @@ class ContextOptions(Options):
                                                   "is full"))
   keep: int = option(2, range=COUNT)  # window: the turns carried into a new segment
   segments: int = option(4, range=COUNT)  # most segments (training rows) per episode
+  # summary: "env" writes it (Environment.state_text); "policy" samples it as a turn of at most
+  # summary_tokens after a request, trained with the episode's advantage like any action
+  summary_by: str = option("env", choices=lambda: SUMMARY_BY)
+  summary_tokens: int = option(24, range=COUNT)
 
   def collect_fields(self) -> dict:
     """The `RolloutConfig` fields of these options."""
     return {"context_mode": self.mode, "context_every": self.every, "context_keep": self.keep,
-            "context_segments": self.segments}
+            "context_segments": self.segments, "context_summary_by": self.summary_by,
+            "context_summary_tokens": self.summary_tokens}
 
 
 @dataclasses.dataclass(frozen=True)
