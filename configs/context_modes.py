@@ -10,7 +10,9 @@ contexts), same GRPO budget.
     python experiments/train.py --config=configs/context_modes.py:summary --workdir=DIR
     python experiments/train.py --config=configs/context_modes.py:summary,1 --workdir=DIR  # seed 1
 
-The variant is `MODE` or `MODE,SEED`. Results: `docs/context_modes.md`.
+The variant is `MODE`, `MODE,SEED` or `MODE,SEED,EVERY`: with EVERY > 0 a new segment starts after
+every EVERY steps (and at most 36 // EVERY + 1 segments), else only when the context is full.
+Results: `docs/context_modes.md`.
 """
 
 import importlib.util
@@ -29,7 +31,8 @@ def _default():
 
 
 def get_config(arg="summary"):
-  mode, _, seed = (arg or "summary").partition(",")
+  mode, _, rest = (arg or "summary").partition(",")
+  seed, _, every = rest.partition(",")
   if mode not in MODES:
     raise ValueError(f"unknown context mode {mode!r}; use one of {MODES} (optionally ',SEED').")
   config = _default()
@@ -51,7 +54,9 @@ def get_config(arg="summary"):
     config.context.summary_by = "policy"
     config.context.summary_tokens = 8  # "start K hops H" and the end of turn fit in 6
   config.context.keep = 2
-  config.context.segments = 5
+  config.context.every = int(every or 0)
+  config.context.segments = (config.env.max_steps // config.context.every + 1
+                             if config.context.every else 5)
   config.checkpoint_every = 6
   config.progress = False
   config.lock()

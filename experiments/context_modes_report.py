@@ -118,7 +118,9 @@ def read_runs(root: str, episodes: int) -> list[dict]:
     mode = config["context"]["mode"]
     if mode == "summary" and config["context"].get("summary_by") == "policy":
       mode = "policy"
-    row = {"run": os.path.basename(run), "mode": mode,
+    every = config["context"].get("every", 0)
+    row = {"run": os.path.basename(run), "mode": mode, "every": every,
+           "label": mode if not every else f"{mode}, every {every}",
            "seed": config["seed"], "num_updates": result["num_updates"],
            "warm_start": result["warm_start_success_rate"], "final": result["success_rate"],
            "greedy": result.get("greedy_success_rate"),
@@ -131,10 +133,10 @@ def read_runs(root: str, episodes: int) -> list[dict]:
 def _summary(runs: list[dict]) -> str:
   lines = ["| mode | seeds | warm start | final (sampled) | final (greedy) | rewrite KL | "
            "ratio outside [0.8, 1.25] |", "|---|---|---|---|---|---|---|"]
-  for mode in MODES:
-    own = [r for r in runs if r["mode"] == mode]
-    if not own:
-      continue
+  labels = sorted({r["label"] for r in runs},
+                  key=lambda x: (MODES.index(x.split(",")[0]), x))
+  for mode in labels:
+    own = [r for r in runs if r["label"] == mode]
     cell = lambda key: _mean(own, key)
     shift = [r["shift"] for r in own if r["shift"]]
     kl = f"{np.mean([x['kl'] for x in shift]):.3f}" if shift else "-"
@@ -159,7 +161,7 @@ def _plots(runs: list[dict], out: str) -> None:
   ax = fig.subplots()
   for r in runs:
     steps = [(t, v) for t, v in enumerate(r["context_length"]) if v is not None]
-    ax.plot(*zip(*steps), color=colors[r["mode"]], label=f"{r['mode']} (seed {r['seed']})")
+    ax.plot(*zip(*steps), color=colors[r["mode"]], label=f"{r['label']} (seed {r['seed']})")
   ax.set(xlabel="step", ylabel="tokens in context at the step's action",
          title="Context length per turn (pointer_chain N = 32, budget 128)")
   ax.legend(fontsize=7)
@@ -168,7 +170,8 @@ def _plots(runs: list[dict], out: str) -> None:
   fig = Figure(figsize=(6, 3.6))
   ax = fig.subplots()
   for r in runs:
-    ax.plot(*zip(*r["curve"]), color=colors[r["mode"]], label=f"{r['mode']} (seed {r['seed']})")
+    ax.plot(*zip(*r["curve"]), color=colors[r["mode"]],
+            label=f"{r['label']} (seed {r['seed']})")
   ax.set(xlabel="update", ylabel="training success", title="GRPO on pointer_chain N = 32")
   ax.legend(fontsize=7)
   fig.tight_layout()
