@@ -42,6 +42,7 @@ from longhorizon.train.checkpoints import Checkpointer
 from longhorizon.train.learner import Learner
 from longhorizon.train.metrics import read_metrics
 from longhorizon.train.update import episode_logprobs
+from longhorizon.train.workdir import ADDED_FIELDS
 
 _ROOT = flags.DEFINE_string("root", None, "Folder of the runs (ROOT/MODE_sSEED).")
 _OUT = flags.DEFINE_string("out", None, "Where the report goes (default: --root).")
@@ -83,7 +84,14 @@ def rewrite_shift(learner: Learner, params, rows, rewritten) -> dict:
 def measure(run: str, episodes: int) -> dict:
   """Context lengths and the rewrite's shift of `run`'s final policy on test episodes."""
   with open(os.path.join(run, "config.json"), encoding="utf-8") as f:
-    config = ml_collections.ConfigDict(json.load(f))
+    saved = json.load(f)
+  for path, value in ADDED_FIELDS.items():  # fields added after the run started: their defaults
+    node = saved
+    *parents, leaf = path.split(".")
+    for part in parents:
+      node = node.setdefault(part, {})
+    node.setdefault(leaf, value)
+  config = ml_collections.ConfigDict(saved)
   s = Learner.build(config)
   checkpointer = Checkpointer(os.path.join(run, "checkpoints"))
   try:
@@ -161,7 +169,8 @@ def _plots(runs: list[dict], out: str) -> None:
   ax = fig.subplots()
   for r in runs:
     steps = [(t, v) for t, v in enumerate(r["context_length"]) if v is not None]
-    ax.plot(*zip(*steps), color=colors[r["mode"]], label=f"{r['label']} (seed {r['seed']})")
+    ax.plot(*zip(*steps), color=colors[r["mode"]], label=f"{r['label']} (seed {r['seed']})",
+            linestyle="--" if r["mode"] == "full" else "-", linewidth=3 if r["mode"] == "full" else 1.5)
   ax.set(xlabel="step", ylabel="tokens in context at the step's action",
          title="Context length per turn (pointer_chain N = 32, budget 128)")
   ax.legend(fontsize=7)
