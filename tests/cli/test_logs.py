@@ -2,10 +2,13 @@
 printed once; orbax's and tensorflow_datasets' records dropped; after a failed orbax restore the real
 error ends the output, with no `Event loop is closed` tracebacks."""
 
+import logging
 import os
 import pathlib
 import subprocess
 import sys
+
+from longhorizon.cli import logs
 
 ROOT = pathlib.Path(__file__).parents[2]
 
@@ -112,6 +115,34 @@ def test_a_failed_orbax_restore_ends_with_its_error_not_event_loop_noise(tmp_pat
   assert "Event loop is closed" not in err, err[-3000:]
   assert "an unrelated unraisable error" in err  # other unraisable errors still reach the hook
   last_lines = err.strip().splitlines()[-3:]
-  assert last_lines[-1] == f"while restoring checkpoint step 1 from {tmp_path / 'checkpoints'}"
+  assert last_lines[-1] == f"while restoring checkpoint step 1 from {tmp_path / 'checkpoints'}", (
+      err[-5000:])
   assert any("DATA_LOSS" in line for line in last_lines), last_lines
   assert "was never awaited" not in err
+
+
+def _failure_raised_in(filename):
+  namespace = {}
+  exec(compile("def read():\n  raise ValueError('DATA_LOSS: damaged')\n", filename, "exec"), namespace)
+  try:
+    namespace["read"]()
+  except ValueError as e:
+    return e
+
+
+def _asyncio_record(message, exc):
+  return logging.getLogger("asyncio").makeRecord(
+      "asyncio", logging.ERROR, "/usr/lib/python3.11/asyncio/base_events.py", 1, message, (),
+      (type(exc), exc, exc.__traceback__))
+
+
+def test_never_retrieved_copies_of_an_orbax_failure_are_dropped_and_others_kept():
+  console = logs.ConsoleFilter()
+  in_orbax = _failure_raised_in("/site-packages/orbax/checkpoint/_src/serialization/x.py")
+  in_tensorstore = _failure_raised_in("/site-packages/tensorstore/x.py")
+  elsewhere = _failure_raised_in("/work/my_env/step.py")
+  never = "Future exception was never retrieved\nfuture: <Future finished exception=...>"
+  assert not console.filter(_asyncio_record(never, in_orbax))
+  assert not console.filter(_asyncio_record(never, in_tensorstore))
+  assert console.filter(_asyncio_record(never, elsewhere))  # a user's own lost exception is shown
+  assert console.filter(_asyncio_record("Exception in callback", in_orbax))  # only that message

@@ -18,10 +18,13 @@ filters:
 - **No asyncio shutdown noise.** When an orbax save or restore fails, tensorstore callbacks still
   pending on orbax's event loops fire after the loop was closed; each one raises `RuntimeError:
   Event loop is closed` as an "unraisable" exception (dozens of tracebacks), and the coroutines
-  orbax abandoned print `RuntimeWarning: coroutine ... was never awaited` at exit. Both are dropped
-  (`sys.unraisablehook`, a warnings filter, and the handler filter for asyncio's logged form), so
-  the failure's own traceback or message is what ends the output. Other unraisable exceptions go to
-  the previous hook unchanged.
+  orbax abandoned print `RuntimeWarning: coroutine ... was never awaited` at exit; and, depending
+  on timing, asyncio logs `Future exception was never retrieved` with a copy of the failure for
+  each of orbax's other failed reads, after the failure's own traceback. All are dropped
+  (`sys.unraisablehook`, a warnings filter, and the handler filter for asyncio's logged forms; a
+  never-retrieved exception is dropped only when its traceback passes through orbax or
+  tensorstore), so the failure's own traceback or message is what ends the output. Other
+  unraisable exceptions, and other never-retrieved ones, are printed unchanged.
 """
 
 from __future__ import annotations
@@ -37,10 +40,21 @@ __all__ = ["setup", "ConsoleFilter"]
 # Libraries whose records would drown the run's own messages (see the module docstring).
 _SILENT = ("/orbax/", "/tensorflow_datasets/")
 _CLOSED_LOOP = "Event loop is closed"
+_NEVER_RETRIEVED = "exception was never retrieved"
+_NOISY_FRAMES = ("/orbax/", "/tensorstore/")
 
 
 def _is_closed_loop_error(exc: BaseException | None) -> bool:
   return isinstance(exc, RuntimeError) and str(exc) == _CLOSED_LOOP
+
+
+def _raised_in_orbax(exc: BaseException | None) -> bool:
+  tb = exc.__traceback__ if exc is not None else None
+  while tb is not None:
+    if any(part in tb.tb_frame.f_code.co_filename for part in _NOISY_FRAMES):
+      return True
+    tb = tb.tb_next
+  return False
 
 
 def _printed_by_own_handler(record: logging.LogRecord) -> bool:
@@ -64,6 +78,9 @@ class ConsoleFilter(logging.Filter):
     if record.exc_info and _is_closed_loop_error(record.exc_info[1]):
       return False
     if record.name == "asyncio" and _CLOSED_LOOP in record.getMessage():
+      return False
+    if (record.name == "asyncio" and _NEVER_RETRIEVED in record.getMessage() and record.exc_info
+        and _raised_in_orbax(record.exc_info[1])):
       return False
     return not _printed_by_own_handler(record)
 
