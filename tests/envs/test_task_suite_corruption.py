@@ -83,3 +83,31 @@ def test_invalid_dataset_info_fails_at_load_with_path_and_remedy(suite, text):
   with pytest.raises(tasks.CorruptSuiteError,
                      match=re.escape(info) + r".*" + re.escape(f"delete the folder {folder}")):
     _load(data_dir)
+
+
+def test_runs_that_build_the_same_new_suite_at_once_take_turns(tmp_path):
+  # Two runs started together used to race: both generated the suite and the second rename of the
+  # generated folder into place failed (FileExistsError). A build waits for the suite's lock.
+  import threading
+  data_dir = str(tmp_path / "data")
+  env = tasks.envs.make("pointer_chain", **PARAMS)
+  name = tasks.suite_name(env.name, PARAMS, 0, {**tasks.DEFAULT_SIZES, **SIZES}, env.version)
+  results = []
+  with tasks.suite_lock(data_dir, name):  # another run is generating the suite
+    thread = threading.Thread(target=lambda: results.append(_load(data_dir)))
+    thread.start()
+    thread.join(timeout=3.0)
+    assert thread.is_alive() and not os.path.exists(tasks.suite_dir(data_dir, name))
+  thread.join(timeout=120)
+  assert not thread.is_alive() and len(results[0]) == SIZES["test"]
+  # Two processes at once, from nothing: both load the same tasks.
+  import subprocess, sys
+  other = str(tmp_path / "race")
+  code = ("import sys; from longhorizon.envs import tasks; "
+          f"s = tasks.load('pointer_chain', 'test', env_params={PARAMS!r}, sizes={SIZES!r}, "
+          "data_dir=sys.argv[1]); print(len(s))")
+  procs = [subprocess.Popen([sys.executable, "-c", code, other], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True) for _ in range(2)]
+  outs = [p.communicate(timeout=300) for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
+  assert [o.split()[-1] for o, _ in outs] == [str(SIZES["test"])] * 2

@@ -20,6 +20,8 @@ split passes array_record's chunk checksums, the record counts match): a damaged
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -74,6 +76,22 @@ def suite_name(env_name: str, env_params: Mapping[str, Any], seed: int, sizes: M
 def suite_dir(data_dir: str, name: str) -> str:
   """The folder holding the files of the suite `name` (see `suite_name`) under `data_dir`."""
   return os.path.join(data_dir, _DATASET, name, _VERSION)
+
+
+@contextlib.contextmanager
+def suite_lock(data_dir: str, name: str):
+  """Holds an exclusive `fcntl.flock` on `<data_dir>/.locks/<name>.lock` while a suite is
+  checked and generated, so runs that start together with the same new suite take turns: the
+  first generates it, the others find it prepared (TFDS renames the generated folder into place,
+  and a second rename onto it would fail). The kernel releases the lock if its holder dies."""
+  folder = os.path.join(data_dir, ".locks")
+  os.makedirs(folder, exist_ok=True)
+  with open(os.path.join(folder, f"{name}.lock"), "a") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _flatten(task) -> dict[str, np.ndarray]:
@@ -210,7 +228,8 @@ def build(env_name: str, env_params: Mapping[str, Any] | None = None, seed: int 
   """The (prepared) TFDS builder of a suite; generates the files on first use.
 
   `env_name` is a registered name or an import path `"package.module:Class"` (see `envs.make`).
-  Raises `CorruptSuiteError` if the suite's `dataset_info.json` does not parse.
+  Raises `CorruptSuiteError` if the suite's `dataset_info.json` does not parse. Processes that
+  build the same suite at once take turns (`suite_lock`).
   """
   env_params = dict(env_params or {})
   sizes = {**DEFAULT_SIZES, **(sizes or {})}
@@ -221,10 +240,11 @@ def build(env_name: str, env_params: Mapping[str, Any] | None = None, seed: int 
   source = None if env_name in envs.registered() else env_name
   name = suite_name(env.name or type(env).__name__, env_params, seed, sizes, env.version, source)
   data_dir = data_dir or default_data_dir()
-  _check_info(suite_dir(data_dir, name))
-  builder = _builder_class()(env=env, env_params=env_params, seed=seed, sizes=sizes, name=name,
-                             data_dir=data_dir, file_format="array_record")
-  builder.download_and_prepare()
+  with suite_lock(data_dir, name):
+    _check_info(suite_dir(data_dir, name))
+    builder = _builder_class()(env=env, env_params=env_params, seed=seed, sizes=sizes, name=name,
+                               data_dir=data_dir, file_format="array_record")
+    builder.download_and_prepare()
   builder.env = env
   return builder
 
