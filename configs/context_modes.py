@@ -20,6 +20,7 @@ import os
 
 MODES = ("full", "window", "summary", "policy")  # policy: the summary written by the policy
 HOPS = 32
+KEYS = 34
 
 
 def _default():
@@ -39,13 +40,18 @@ def get_config(arg="summary"):
   config.unlock()
   config.seed = int(seed or 0)
   config.env.params.horizon = HOPS
+  # 34 keys (the fewest a 32-hop chain allows, with ood chains as long): with the default 2 x 64 + 2
+  # = 130 keys, 64 demonstrations show each key too rarely for the policy to copy it reliably (the
+  # first runs' warm start copied wrong keys; docs/context_modes.md).
+  config.env.params.ood_horizon = HOPS
+  config.env.params.num_keys = KEYS
   config.env.max_steps = HOPS + 4
   config.rollout.context_length = 128
   config.rollout.turn_tokens = 4
   config.rollout.num_tasks = 8
   config.rollout.group_size = 8
   config.num_updates = 36
-  config.sft.demo_epsilon = 0.05
+  config.sft.demo_epsilon = 0.02
   config.sft.steps = 300  # the copy of each value into the next lookup emerges after ~60 steps
   config.eval.num_tasks = 64
   config.eval.k = 2
