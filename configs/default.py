@@ -115,6 +115,8 @@ def get_config(arg=None):
   # `longhorizon/rollout/context.py`): full | window (prompt + the last `keep` turns) | summary
   # (the environment's state summary), a new segment every `every` steps or when the context is
   # full; each segment trains as its own row of exactly the tokens the policy saw.
+  # | offload (a host environment's long outputs kept as notes read back with a tool;
+  # envs/notebook.py).
   config.context = as_config(ContextOptions)
 
   # SFT warm start on oracle episodes (steps = 0: no warm start).

@@ -295,6 +295,15 @@ def _check_context(config):
   mode = config.context.mode
   if mode == "full":
     return
+  if mode == "offload":
+    if not _is_host_env(config.env.name):
+      _fail("context.mode", mode, f"'full', 'window' or 'summary' for the JAX environment "
+            f"{config.env.name!r}: offload keeps long text outputs as notes (envs/notebook.py), and "
+            "a JAX environment's observations are rendered from arrays by its codec")
+    if config.context.offload_preview > config.context.offload_words:
+      _fail("context.offload_preview", config.context.offload_preview,
+            f"at most context.offload_words={config.context.offload_words}")
+    return
   a, r = config.algorithm, config.rollout
   spec = ALGORITHMS[a.name]
   refusals = (

@@ -47,6 +47,7 @@ from longhorizon.core import episode as episode_lib
 from longhorizon.core import preference
 from longhorizon.core.episode import Termination, to_device
 from longhorizon.envs import tasks as task_suites
+from longhorizon.envs.notebook import Notebook
 from longhorizon.models import (Critic, ModelConfig, PolicyWithValue, Transformer, init_params,
                                 lora, sharding, tiny_config)
 from longhorizon.models import checkpoint as checkpoint_lib
@@ -87,6 +88,10 @@ def make_env(config) -> envs.Environment | envs.HostEnvironment:
     params["reward"] = envs.RewardSpec(**config.reward)
   env = envs.make(config.env.name, **params)
   if envs.is_host(env):
+    if "context" in config and config.context.mode == "offload":
+      env = Notebook(config.env.name, {k: v for k, v in params.items() if k != "reward"},
+                     max_words=config.context.offload_words,
+                     preview_words=config.context.offload_preview, reward=params.get("reward"))
     return _host_env(config, env)
   env = envs.TimeLimit(env, config.env.max_steps)
   if config.env.faults and sum(config.env.faults.values()) > 0:

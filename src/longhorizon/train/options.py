@@ -278,7 +278,9 @@ class ContextOptions(Options):
   # full: the whole episode in one context (truncated when it overflows); window: rewrite it as
   # the prompt + the last `keep` turns; summary: as the environment's state summary. Each segment
   # is a training row of exactly the tokens the policy saw; its episode's return and credit.
-  mode: str = option("full", choices=lambda: CONTEXT_MODES)
+  # offload: a host environment's long outputs become notes the policy reads back with a tool
+  # (envs/notebook.py); the context is never rewritten (one row per episode, as in full)
+  mode: str = option("full", choices=lambda: (*CONTEXT_MODES, "offload"))
   every: int = option(0, range=Range(int, 0, note="steps per segment; 0 = only when the context "
                                                   "is full"))
   keep: int = option(2, range=COUNT)  # window: the turns carried into a new segment
@@ -287,10 +289,14 @@ class ContextOptions(Options):
   # summary_tokens after a request, trained with the episode's advantage like any action
   summary_by: str = option("env", choices=lambda: SUMMARY_BY)
   summary_tokens: int = option(24, range=COUNT)
+  offload_words: int = option(32, range=COUNT)  # offload: outputs of more words become notes
+  offload_preview: int = option(8, range=NON_NEGATIVE_INT)  # words shown before a note's stub
 
   def collect_fields(self) -> dict:
-    """The `RolloutConfig` fields of these options."""
-    return {"context_mode": self.mode, "context_every": self.every, "context_keep": self.keep,
+    """The `RolloutConfig` fields of these options (offload is the environment's doing: the
+    rollout keeps one context per episode, as in full)."""
+    return {"context_mode": "full" if self.mode == "offload" else self.mode,
+            "context_every": self.every, "context_keep": self.keep,
             "context_segments": self.segments, "context_summary_by": self.summary_by,
             "context_summary_tokens": self.summary_tokens}
 
