@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from longhorizon import envs, rollout
+from longhorizon.rollout import context
 from longhorizon.core.episode import to_device
 from longhorizon.envs import pool as pool_lib
 from longhorizon.envs.notebook import Notebook
@@ -115,7 +116,10 @@ def test_oracle_succeeds_as_without_notes_in_a_shorter_context():
   assert "saved to note 0 , read_note 0 to read it" in text and "read_note" in text
 
 
-def test_sampled_rows_with_notes_are_token_exact():
+@pytest.fixture(scope="module")
+def sampled():
+  """A tiny random policy's episodes in offload mode (its malformed calls' error messages are
+  long outputs at max_words=3)."""
   nb = Notebook("back_office", {"style": "compact"}, max_words=3, preview_words=1)
   codec = nb.codec()
   config = dataclasses.replace(tiny_config(), vocab_size=len(codec.tokenizer))
@@ -125,6 +129,11 @@ def test_sampled_rows_with_notes_are_token_exact():
                              jax.random.split(jax.random.key(1), 2),
                              _rc(group_size=2, context_length=1600, max_steps=4, turn_tokens=6),
                              sampling_seed=3)
+  return nb, codec, config, params, [tasks[g] for g in np.asarray(batch.group)], batch
+
+
+def test_sampled_rows_with_notes_are_token_exact(sampled):
+  nb, codec, config, params, _, batch = sampled
   rows = [codec.decode(np.asarray(t)[np.asarray(m)]) for t, m in zip(batch.tokens,
                                                                       batch.attention_mask)]
   assert any("saved to note" in r for r in rows), rows  # the policy's errors are long outputs too
@@ -159,3 +168,36 @@ def test_config_wraps_a_host_environment_and_refuses_a_jax_one():
   config.context.offload_preview = 11
   with pytest.raises(config_lib.ConfigError, match="context.offload_preview"):
     config_lib.validate(config)
+
+
+def test_offload_pairs_put_each_offloaded_output_back_inline(sampled):
+  nb, codec, config, params, tasks, batch = sampled
+  seen, inline = context.offload_pairs(batch, nb, codec, tasks, 2048)
+  np.testing.assert_array_equal(seen.tokens, batch.tokens)
+  np.testing.assert_array_equal(seen.loss_mask, batch.loss_mask)
+  bare = Notebook("back_office", {"style": "compact"}, max_words=10_000)  # nothing offloaded
+  grown = 0
+  for j in range(batch.batch_size):
+    row = codec.decode(np.asarray(inline.tokens[j])[np.asarray(inline.attention_mask[j])])
+    assert "to read it" not in row
+    # The inline row is what the policy would have seen with no offloading: replay by hand.
+    bare.reset(tasks[j], int(batch.env_seed[j]))
+    turn, loss = np.asarray(batch.turn[j]), np.asarray(batch.loss_mask[j], bool)
+    for t in range(int(batch.num_steps[j])):
+      text = bare.step(codec.action_text(np.asarray(batch.tokens[j])[loss & (turn == t)]))
+      if t < int(batch.num_steps[j]) - 1:
+        assert text.observation in row
+    as_seen = codec.decode(np.asarray(seen.tokens[j])[np.asarray(seen.attention_mask[j])])
+    longer = inline.attention_mask[j].sum() > seen.attention_mask[j].sum()
+    assert longer == ("to read it" in as_seen)
+    grown += int(longer)
+    # The same sampled tokens, in order, carry the loss in both.
+    np.testing.assert_array_equal(np.asarray(inline.tokens[j])[np.asarray(inline.loss_mask[j])],
+                                  np.asarray(seen.tokens[j])[np.asarray(seen.loss_mask[j])])
+  assert grown >= 1
+  # A row whose observation is not what the environment says is named.
+  broken = batch.replace(tokens=np.where(
+      (np.asarray(batch.turn) == 0) & ~np.asarray(batch.loss_mask) & np.asarray(
+          batch.attention_mask), 3, np.asarray(batch.tokens)))
+  with pytest.raises(ValueError, match=r"row \d+ step 0: the replayed observation"):
+    context.offload_pairs(broken, nb, codec, tasks, 2048)

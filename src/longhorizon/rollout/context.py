@@ -43,8 +43,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from longhorizon.core.episode import EpisodeBatch, empty
+from longhorizon.envs.pool import factory_of
 
-__all__ = ["CONTEXT_MODES", "SUMMARY_BY", "Segmenter", "rewrite_pairs", "segment_keys",
+__all__ = ["CONTEXT_MODES", "SUMMARY_BY", "Segmenter", "rewrite_pairs", "offload_pairs", "segment_keys",
            "summary_request"]
 
 CONTEXT_MODES = ("full", "window", "summary")
@@ -216,6 +217,59 @@ def rewrite_pairs(rows: EpisodeBatch, rewritten, length: int):
       batch.loss_mask[i, p:len(ids)] = own_loss
       batch.turn[i, p:len(ids)] = own_turn
       batch.positions[i] = np.arange(batch.context_length)
+  return out[0], out[1]
+
+
+def offload_pairs(rows: EpisodeBatch, env, codec, tasks, length: int):
+  """`(as_seen, inline)` host `EpisodeBatch`es for a batch sampled in `offload` mode (`env` the
+  run's `envs.notebook.Notebook`, `tasks[j]` row `j`'s task): row `j` of the first is row `j` as
+  the policy saw it; of the second, the same sampled turns with every offloaded output inline
+  (the environment's text where the stub was; `length` tokens wide). Both have loss 1 on the
+  sampled tokens, so their log-probs there compare the policy with and without the offload.
+
+  The inline text comes from replaying the row's actions on a fresh copy of `env` (reset with
+  the row's task and `env_seed`); a replay whose observations differ from the row's raises
+  `ValueError` (the environment is not a function of its task, seed and actions)."""
+  make = factory_of(env)
+  n = rows.batch_size
+  out = [empty(n, rows.context_length, rows.max_steps), empty(n, length, rows.max_steps)]
+  for j in range(n):
+    tokens, turn = np.asarray(rows.tokens[j]), np.asarray(rows.turn[j])
+    loss, live = np.asarray(rows.loss_mask[j], bool), np.asarray(rows.attention_mask[j], bool)
+    seen = [(tokens[live & (turn == -1)], False)]
+    inline = list(seen)
+    replay = make()
+    try:
+      replay.reset(tasks[j], int(rows.env_seed[j]))
+      for t in range(int(rows.num_steps[j])):
+        action, obs = tokens[loss & (turn == t)], tokens[live & ~loss & (turn == t)]
+        result = replay.step(codec.action_text(action))
+        if not obs.size:  # the last step: no observation appended
+          seen.append((action, True))
+          inline.append((action, True))
+          continue
+        rendered = codec.render_observation(result.observation)
+        if len(obs) < len(rendered) or obs[len(obs) - len(rendered):].tolist() != rendered:
+          raise ValueError(f"offload_pairs: row {j} step {t}: the replayed observation "
+                           f"{result.observation!r} is not the one the row holds; the environment "
+                           "did not repeat the episode from its task, seed and actions.")
+        head = obs[:len(obs) - len(rendered)]  # a forced end of turn, if any
+        note = result.info.get("offloaded_note")
+        full = obs if note is None else np.concatenate(
+            [head, codec.render_observation(replay.notes[note])]).astype(np.int32)
+        seen += [(action, True), (obs, False)]
+        inline += [(action, True), (full, False)]
+    finally:
+      replay.close()
+    for batch, parts in ((out[0], seen), (out[1], inline)):
+      ids = np.concatenate([p for p, _ in parts]).astype(np.int32)
+      if len(ids) > batch.context_length:
+        raise ValueError(f"offload_pairs: row {j} needs {len(ids)} tokens with its outputs "
+                         "inline; pass a length of at least that.")
+      batch.tokens[j, :len(ids)] = ids
+      batch.attention_mask[j, :len(ids)] = True
+      batch.loss_mask[j, :len(ids)] = np.concatenate([np.full(len(p), l) for p, l in parts])
+      batch.positions[j] = np.arange(batch.context_length)
   return out[0], out[1]
 
 
