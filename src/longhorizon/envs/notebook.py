@@ -12,8 +12,9 @@ context only when the policy asks), and `write_note TEXT` keeps the policy's own
 note (answered `saved to note K`), so a long plan or intermediate result need not stay in later
 turns. Both calls are parsed like the environment's own (`<tool_call>{"name": "read_note",
 "arguments": {"note": 0}}</tool_call>` in tool_call style, `read_note 0` in compact style); any
-other action goes to the environment unchanged, and a note that does not exist, or a notebook
-that is full (`max_notes`), is an invalid action (BAD_ARGUMENT), never a crash.
+other action goes to the environment unchanged, and a note that does not exist, or a write to a
+notebook that is full (`max_notes`), is an invalid action (BAD_ARGUMENT), never a crash; once
+the notebook is full, long outputs stay in the context whole.
 
 Nothing in the context is rewritten: the row of an episode is exactly the text the policy saw,
 stubs and read-back notes included, so it stays one training row per episode, token-exact by
@@ -42,7 +43,7 @@ NOTE_TOOLS = (
     tool("read_note", "Show a saved note (a long tool output or your own text).", note="integer"),
     tool("write_note", "Save text as a note, to read it back later.", text="string"),
 )
-_NAMES = ("read_note", "write_note")
+_NAMES = tuple(t["function"]["name"] for t in NOTE_TOOLS)
 _WORDS = ("...", "saved", "to", "note", ",", "read_note", "write_note", "read", "it", "text",
           "notes", "long", "outputs", "are", "shows", "saves", "as", "a", ".", "K", "TEXT", ":", "no",
           "the", "notebook", "is", "full", "error")
@@ -80,12 +81,10 @@ class Notebook(HostEnvironment):
     self.default_backend = self._env.default_backend
     self._notes: list[str] = []
 
-  def _constructor_params(self) -> dict:
+  def params(self) -> dict:
+    """The constructor parameters (`name`, `tools`, ... are derived from `inner`)."""
     return {"inner": self.inner, "inner_params": self.inner_params, "max_words": self.max_words,
             "preview_words": self.preview_words, "max_notes": self.max_notes}
-
-  def params(self) -> dict:
-    return self._constructor_params()
 
   # ------------------------------------------------------------------------------ episode
   def tasks(self, split: str, num: int, seed: int) -> list[dict]:
@@ -164,10 +163,6 @@ class Notebook(HostEnvironment):
 
   def task_difficulty(self, task: dict) -> int:
     return self._env.task_difficulty(task)
-
-  @property
-  def unwrapped(self):
-    return self
 
   @property
   def notes(self) -> tuple[str, ...]:

@@ -45,8 +45,8 @@ import numpy as np
 from longhorizon.core.episode import EpisodeBatch, empty
 from longhorizon.envs.pool import factory_of
 
-__all__ = ["CONTEXT_MODES", "SUMMARY_BY", "Segmenter", "rewrite_pairs", "offload_pairs", "segment_keys",
-           "summary_request"]
+__all__ = ["CONTEXT_MODES", "SUMMARY_BY", "Segmenter", "rewrite_pairs", "offload_pairs",
+           "segment_keys", "summary_request"]
 
 CONTEXT_MODES = ("full", "window", "summary")
 SUMMARY_BY = ("env", "policy")  # who writes a summary segment's summary

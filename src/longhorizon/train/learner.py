@@ -86,12 +86,13 @@ def make_env(config) -> envs.Environment | envs.HostEnvironment:
           f"config.env.params sets {clash}: the reward weights are config.reward's "
           f"(--config.reward.<field>=...), not environment parameters.")
     params["reward"] = envs.RewardSpec(**config.reward)
+  if "context" in config and config.context.mode == "offload":  # wraps a host environment
+    reward = params.pop("reward", None)
+    return _host_env(config, Notebook(config.env.name, params, reward=reward,
+                                      max_words=config.context.offload_words,
+                                      preview_words=config.context.offload_preview))
   env = envs.make(config.env.name, **params)
   if envs.is_host(env):
-    if "context" in config and config.context.mode == "offload":
-      env = Notebook(config.env.name, {k: v for k, v in params.items() if k != "reward"},
-                     max_words=config.context.offload_words,
-                     preview_words=config.context.offload_preview, reward=params.get("reward"))
     return _host_env(config, env)
   env = envs.TimeLimit(env, config.env.max_steps)
   if config.env.faults and sum(config.env.faults.values()) > 0:
