@@ -146,3 +146,9 @@ def test_never_retrieved_copies_of_an_orbax_failure_are_dropped_and_others_kept(
   assert not console.filter(_asyncio_record(never, in_tensorstore))
   assert console.filter(_asyncio_record(never, elsewhere))  # a user's own lost exception is shown
   assert console.filter(_asyncio_record("Exception in callback", in_orbax))  # only that message
+  # tensorstore's C++ sets its error on the future: no Python traceback, only its spec to tell it.
+  from_cxx = ValueError('DATA_LOSS: Error opening "zarr" driver [tensorstore_spec=\'{"driver": '
+                        '"zarr"}\']')
+  assert from_cxx.__traceback__ is None
+  assert not console.filter(_asyncio_record(never, from_cxx))
+  assert console.filter(_asyncio_record(never, ValueError("DATA_LOSS: my own store")))

@@ -22,9 +22,11 @@ filters:
   on timing, asyncio logs `Future exception was never retrieved` with a copy of the failure for
   each of orbax's other failed reads, after the failure's own traceback. All are dropped
   (`sys.unraisablehook`, a warnings filter, and the handler filter for asyncio's logged forms; a
-  never-retrieved exception is dropped only when its traceback passes through orbax or
-  tensorstore), so the failure's own traceback or message is what ends the output. Other
-  unraisable exceptions, and other never-retrieved ones, are printed unchanged.
+  never-retrieved exception is dropped only when it is tensorstore's: its traceback passes through
+  orbax or tensorstore, or, as for an error tensorstore's C++ sets on a future (which has no
+  Python traceback), its message carries tensorstore's `tensorstore_spec=`), so the failure's own
+  traceback or message is what ends the output. Other unraisable exceptions, and other
+  never-retrieved ones, are printed unchanged.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ _SILENT = ("/orbax/", "/tensorflow_datasets/")
 _CLOSED_LOOP = "Event loop is closed"
 _NEVER_RETRIEVED = "exception was never retrieved"
 _NOISY_FRAMES = ("/orbax/", "/tensorstore/")
+# tensorstore's errors end with the spec of the store they failed on; those set on a future from
+# C++ carry no Python traceback, so this is how they are recognised.
+_TENSORSTORE_ERROR = "tensorstore_spec="
 
 
 def _is_closed_loop_error(exc: BaseException | None) -> bool:
@@ -49,7 +54,11 @@ def _is_closed_loop_error(exc: BaseException | None) -> bool:
 
 
 def _raised_in_orbax(exc: BaseException | None) -> bool:
-  tb = exc.__traceback__ if exc is not None else None
+  if exc is None:
+    return False
+  if _TENSORSTORE_ERROR in str(exc):
+    return True
+  tb = exc.__traceback__
   while tb is not None:
     if any(part in tb.tb_frame.f_code.co_filename for part in _NOISY_FRAMES):
       return True
