@@ -173,6 +173,14 @@ def get_config(arg=None):
   config.store = ml_collections.ConfigDict()
   config.store.enabled = False
   config.store.keep = "all"  # all | valid (drops env-error, truncated and parse-failure episodes)
+  # Online replay (longhorizon/train/replay.py): each sync update also trains on this many whole
+  # task groups drawn from the store's earlier updates (complete groups whose scores differ), with
+  # probability proportional to their episodes' mean priority: failure weight x recency
+  # (0.5 ** (age / half_life); 0 = off). Needs an off-policy correction (loss.tis_threshold > 0
+  # or loss.name = "tis"). 0 = off.
+  config.store.replay_groups = 0
+  config.store.replay_failure = 1.0
+  config.store.replay_half_life = 0.0
 
   # Device mesh (issue 7): data x fsdp x tensor.
   config.mesh = ml_collections.ConfigDict()

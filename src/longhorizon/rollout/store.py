@@ -152,6 +152,8 @@ class Rows:
   env_error: np.ndarray  # [N] bool: an environment error at any step
   milestones: np.ndarray  # [N] int64: the milestone bits reached at any step
   invalid_actions: np.ndarray  # [N] int64; -1 where the file has no `info.invalid_actions`
+  group: np.ndarray  # [N] int64: `EpisodeBatch.group`, the task-group label within its file
+  score: np.ndarray  # [N] float32: `EpisodeBatch.score`, the outcome the group estimators read
 
   def __len__(self) -> int:
     return len(self.row)
@@ -170,7 +172,8 @@ class Rows:
 
 _ROW_DTYPES = {"path": object, "row": np.int64, "update": np.int64, "written_at": "datetime64[us]",
                "key": object, "success": bool, "termination": np.int32, "env_error": bool,
-               "milestones": np.int64, "invalid_actions": np.int64}
+               "milestones": np.int64, "invalid_actions": np.int64, "group": np.int64,
+               "score": np.float32}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,7 +424,8 @@ def _pad(batch: EpisodeBatch, length: int, steps: int) -> EpisodeBatch:
 
 # -------------------------------------------------------------------------------------- store
 
-_LIGHT = ("update", "written_at", "key", "success", "termination", "env_error", "milestones")
+_LIGHT = ("update", "written_at", "key", "success", "termination", "env_error", "milestones",
+          "group", "score")
 
 
 class TrajectoryStore:
@@ -619,7 +623,8 @@ class TrajectoryStore:
           termination=col("termination").astype(np.int32), env_error=env_error.any(-1),
           milestones=np.bitwise_or.reduce(milestones, axis=-1),
           invalid_actions=(col(info).astype(np.int64) if info in columns
-                           else np.full((n,), -1, np.int64)))
+                           else np.full((n,), -1, np.int64)),
+          group=col("group").astype(np.int64), score=col("score").astype(np.float32))
     return self._rows[f.path]
 
   # --------------------------------------------------------------------------------- sampling

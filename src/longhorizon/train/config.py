@@ -85,6 +85,9 @@ RANGES: dict[str, Range] = {
     "alarm.max_zero_advantage_rate": _PROBABILITY, "alarm.success_ceiling": _PROBABILITY,
     "checkpoint_every": _COUNT, "keep_checkpoints": _COUNT,
     "mesh.data": _COUNT, "mesh.fsdp": _COUNT, "mesh.tensor": _COUNT,
+    "store.replay_groups": Range(int, 0, note="0 = off"),
+    "store.replay_failure": _POSITIVE,
+    "store.replay_half_life": Range(float, 0, note="updates; 0 = no recency weight"),
 }
 # (the typed sections' ranges, from their options classes, for the range tests and docs)
 RANGES.update({path: r for spec in SPECS for path, r in section_ranges(spec).items()})
@@ -158,6 +161,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check_rules(config)
   _check_off_policy(config)
   _check_context(config)
+  _check_replay(config)
   return config
 
 
@@ -287,6 +291,42 @@ def _check_off_policy(config):
       _fail("loss.reuse_behaviour_logprobs", True,
             f"False with model.decode_quant={config.model.decode_quant!r} (quantised rollouts "
             "are not the learner's policy)")
+
+
+def _check_replay(config):
+  """Replay from the trajectory store (`train/replay.py`): only with what it was built and tested
+  for, and with an off-policy correction for the older policies' tokens."""
+  store = config.get("store")
+  n = store.get("replay_groups", 0) if store else 0
+  if not n:
+    return
+  a, r, loss = config.algorithm, config.rollout, config.loss
+  spec = ALGORITHMS[a.name]
+  corrected = loss.name == "tis" or (loss.tis_threshold > 0 and not loss.reuse_behaviour_logprobs)
+  refusals = (
+      ("store.enabled", store.enabled, not store.enabled,
+       "True (replay draws from the run's own store)"),
+      ("loss.tis_threshold", loss.tis_threshold, not corrected,
+       "> 0 with loss.reuse_behaviour_logprobs=False, or loss.name='tis': replayed tokens were "
+       "sampled by older policies, and the truncated importance weight against their stored "
+       "behaviour log-probs is the off-policy correction"),
+      ("algorithm.name", a.name, spec.needs_critic or spec.reads_tree,
+       "a critic-free group estimator (grpo, drgrpo, rloo, gigpo, ...): stored episodes carry no "
+       "critic values, and replayed groups are not branch trees"),
+      ("rollout.mode", r.mode, r.mode == "async", "'sync' (the async learner's batches are not "
+       "extended yet)"),
+      ("rollout.branch_k", r.branch_k, r.branch_k, "0 (branch links do not carry into replay)"),
+      ("rollout.recovery_groups", r.recovery_groups, r.recovery_groups, "0"),
+      ("context.mode", config.context.mode, config.context.mode in ("window", "summary"),
+       "'full' or 'offload' (one row per episode)"),
+      ("model.moe.num_experts", config.model.moe.num_experts, config.model.moe.num_experts,
+       "0 (stored routing is not replayed yet)"),
+      ("mesh.data", config.mesh.data, config.mesh.data * config.mesh.fsdp * config.mesh.tensor > 1,
+       "1 (with mesh.fsdp = mesh.tensor = 1: the store is process 0's)"),
+  )
+  for path, value, refused, allowed in refusals:
+    if refused:
+      _fail(path, value, f"{allowed}, with store.replay_groups={n}")
 
 
 def _check_context(config):

@@ -435,14 +435,24 @@ class Learner:
                      chunk_size=self.loss.chunk_size)
 
   # ---------------------------------------------------------------------------------- learning
-  def learn(self, state: TrainState, batch, stats, timer: Timer, row_scale=None):
+  def learn(self, state: TrainState, batch, stats, timer: Timer, row_scale=None, extra=None):
     """The learning half of an RL update on `batch` (from `collect_batch`): the proximal,
     reference and critic passes, the advantages and the jitted update. Returns `(state,
     metrics)`; `state` is donated. `row_scale` (`[B]`, optional) multiplies the row weights: the
     async learner's staleness filter (0 drops an episode, < 1 down-weights it); a `[B, L]` one
-    weighs each token instead (the filter with partial rollouts, by each token's own lag)."""
+    weighs each token instead (the filter with partial rollouts, by each token's own lag).
+    `extra` (optional): `(rows, scale)`, rows trained on after the batch's with row weights
+    multiplied by `scale` (`[R]`): the groups replayed from the trajectory store
+    (`train/replay.py`); the episode metrics stay the batch's."""
     with timer("update"):
       rows = episode_lib.join_segments(batch, stats.segments)  # context segments: their rows too
+      if extra is not None:
+        extra_rows, extra_scale = extra
+        fresh_scale = (np.ones((rows.batch_size,), np.float32) if row_scale is None
+                       else np.asarray(row_scale, np.float32))
+        row_scale = np.concatenate([fresh_scale, np.asarray(extra_scale, np.float32)])
+        rows = jax.tree.map(lambda a, b: np.concatenate([np.asarray(a), np.asarray(b)]), rows,
+                            extra_rows)
       db = to_device(self.trimmed(rows))
       if self.mesh is not None:  # data-parallel inputs: rows split over (data, fsdp)
         db = sharding.shard_batch(db, self.mesh, _mesh_rules(self.config))
@@ -470,15 +480,22 @@ class Learner:
         episode_lib.used_length(batch), full, self.optim.length_buckets))
 
   def step(self, state: TrainState, update: int, data_position: int, timer: Timer, hook=None,
-           task_indices=None, step_budget: int | None = None, on_batch=None):
+           task_indices=None, step_budget: int | None = None, on_batch=None, replay=None):
     """One synchronous RL update: `collect_batch` with the current parameters, then `learn`.
     `on_batch(batch, stats)`, if given, is called after `learn` with the batch it trained on (the
-    training loop's trajectory store)."""
+    training loop's trajectory store). `replay` (a `train.replay.StoreReplay`, optional) adds the
+    groups it draws from the store to the update's rows."""
     batch, stats = self.collect_batch(state.params, update, data_position, timer, task_indices,
                                       step_budget=step_budget)
     if hook is not None:
       hook("update", update)
-    state, metrics = self.learn(state, batch, stats, timer)
+    extra, replay_metrics = {}, {}
+    if replay is not None:
+      with timer("replay"):
+        replayed, scale, replay_metrics = replay.extend(batch, update)
+      extra = {"extra": (replayed, scale)}
+    state, metrics = self.learn(state, batch, stats, timer, **extra)
+    metrics.update(replay_metrics)
     if on_batch is not None:
       on_batch(batch, stats)
     return state, metrics

@@ -10,7 +10,9 @@ Phases (each resumable from `workdir`):
    rollouts each, advantages by the configured algorithm, one jitted update; metrics to
    `metrics.jsonl` and TensorBoard, a progress bar, checkpoints every `checkpoint_every` updates;
    with `config.store.enabled`, each update's training batch appended to the trajectory store
-   `<workdir>/trajectories/` (`trajectory_store`; print it with `python -m longhorizon.cli.store`);
+   `<workdir>/trajectories/` (`trajectory_store`; print it with `python -m longhorizon.cli.store`),
+   and with `config.store.replay_groups`, whole task groups of earlier updates replayed from it
+   in each sync update (`store_replay`, `train/replay.py`);
 4. final evaluation on `eval.split`: `eval.json` and `learning_curve.png`.
 
 Determinism: every random stream of update `u` is derived from `(config.seed, u)` and the
@@ -48,7 +50,7 @@ from longhorizon.envs import tasks as task_suites
 from longhorizon.eval import metrics as metrics_lib
 from longhorizon.eval.provenance import provenance
 from longhorizon.eval import runner
-from longhorizon.rollout.store import KEEP, TrajectoryStore
+from longhorizon.rollout.store import KEEP, Priority, TrajectoryStore
 from longhorizon.train import config as config_lib
 from longhorizon.train import workdir as workdir_lib
 from longhorizon.train.async_rollout import AsyncRollouts
@@ -58,10 +60,11 @@ from longhorizon.train.curriculum import (Curriculum, HorizonCurriculum, bucket_
 from longhorizon.train.learner import Learner
 from longhorizon.train.metrics import MetricsWriter, Progress, Timer, read_metrics
 from longhorizon.train.preference import preference_stage
+from longhorizon.train.replay import StoreReplay
 from longhorizon.train.update import TrainState
 
 __all__ = ["train_and_evaluate", "eval_seed", "new_run", "start_from", "trajectory_store",
-           "STORE_DIR"]
+           "store_replay", "STORE_DIR"]
 
 STORE_DIR = "trajectories"  # the run's trajectory store, under its workdir (`config.store`)
 
@@ -297,6 +300,7 @@ def _train_and_evaluate(s: Learner, config, workdir: str, *, hook=None, init_fro
   curriculum, buckets = make_curriculum(s, meta.get("curriculum"))
   horizon = make_horizon_curriculum(config, meta.get("horizon"))
   pipeline, store_batch = None, trajectory_store(config, workdir)
+  replay = store_replay(config, workdir)
   if config.rollout.mode == "async" and start < config.num_updates:
     # Actor threads sample with published copies of the parameters (train/async_rollout.py); a
     # resumed run restarts them from the checkpointed parameters at the checkpointed batch.
@@ -315,7 +319,8 @@ def _train_and_evaluate(s: Learner, config, workdir: str, *, hook=None, init_fro
           config.rollout.num_tasks, curriculum.cursor)
     if pipeline is None:
       state, metrics = s.step(state, update, data_position, timer, hook, task_indices,
-                              step_budget=horizon and horizon.budget, on_batch=store_batch(update))
+                              step_budget=horizon and horizon.budget, on_batch=store_batch(update),
+                              replay=replay)
     else:
       state, metrics = pipeline.step(state, update, timer, hook, on_batch=store_batch(update))
     meta = _update_curricula(curriculum, horizon, pipeline, task_buckets, metrics, meta)
@@ -382,6 +387,20 @@ def trajectory_store(config, workdir: str):
   meta = {"env": config.env.name, "algorithm": config.algorithm.name, "seed": config.seed}
   return lambda update: lambda batch, stats: store.append(
       batch, update=update + 1, info=stats.episode_info, meta=meta, filters=KEEP[c.keep])
+
+
+def store_replay(config, workdir: str) -> StoreReplay | None:
+  """The run's `StoreReplay` (`train/replay.py`) with `config.store.replay_groups > 0`, else None."""
+  c = config.get("store")
+  if not (c and c.get("replay_groups", 0)):
+    return None
+  if jax.process_count() > 1:
+    raise ValueError("store.replay_groups > 0 runs on one process (the store is process 0's).")
+  return StoreReplay(os.path.join(workdir, STORE_DIR), groups=c.replay_groups,
+                     group_size=config.rollout.group_size,
+                     context_length=config.rollout.context_length,
+                     max_steps=config.env.max_steps, seed=config.seed,
+                     priority=Priority(failure=c.replay_failure, half_life=c.replay_half_life))
 
 
 def _warn_about(update: int, metrics: dict, skipped_before: int) -> int:
