@@ -185,6 +185,7 @@ def test_training_loop_replays_from_its_store(tmp_path, smoke_config):
     ({"rollout.mode": "async"}, "rollout.mode"),
     ({"algorithm.name": "ppo"}, "algorithm.name"),
     ({"rollout.branch_k": 2}, "rollout.branch_k"),
+    ({"store.replay_groups": 1, "optim.minibatches": 8}, "optim.minibatches"),  # (4 + 1) x 4 rows
 ])
 def test_config_refuses_replay_without_what_it_needs(tmp_path, smoke_config, changes, field):
   base = {"store.enabled": True, "store.replay_groups": 2, "loss.tis_threshold": 2.0}

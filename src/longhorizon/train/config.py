@@ -327,6 +327,11 @@ def _check_replay(config):
   for path, value, refused, allowed in refusals:
     if refused:
       _fail(path, value, f"{allowed}, with store.replay_groups={n}")
+  rows = (r.num_tasks + n) * r.group_size
+  if rows % config.optim.minibatches:
+    _fail("optim.minibatches", config.optim.minibatches,
+          f"a divisor of (rollout.num_tasks + store.replay_groups) * rollout.group_size = {rows} "
+          f"(the update's rows with the replayed groups)")
 
 
 def _check_context(config):
