@@ -67,6 +67,9 @@ _LATENCY_MS = flags.DEFINE_float("latency_ms", 40.0,
 _LATENCY_SHAPE = flags.DEFINE_float("latency_shape", 1.0,
                                     "lognormal: sigma of log-latency; pareto: tail index alpha.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the latency draws.")
+_WARM_START = flags.DEFINE_bool(
+    "warm_start", False, "Start every mode from the config's SFT warm start (sft.steps) instead of "
+    "fresh parameters: a policy whose episodes end at different lengths (configs/async_lengths.py).")
 
 
 def _fresh_state(s, host_state):
@@ -159,7 +162,8 @@ def main(argv):
   modes = [parse_mode(m) for m in _MODES.value]
   config = _CONFIG.value.copy_and_resolve_references()
   config.unlock()
-  config.sft.steps = 0  # throughput only: no warm start
+  if not _WARM_START.value:
+    config.sft.steps = 0  # throughput only: no warm start
   config.reward.invalid = 0.1  # rewards vary within groups: every update moves the parameters
   config.rollout.mode = "sync"
   config.tensorboard = config.progress = False
@@ -168,7 +172,11 @@ def main(argv):
   s = Learner.build(config)
   latency = Latency(_LATENCY.value, _LATENCY_MS.value, _LATENCY_SHAPE.value, _SEED.value)
   with s.in_mesh():
-    host_state = jax.device_get(s.initial_state())
+    initial = s.initial_state()
+    if _WARM_START.value:  # one warm start, every mode from it (as a run's RL starts)
+      initial, _ = s.warm_start(initial)
+      initial = s.with_reference(initial)
+    host_state = jax.device_get(initial)
     state = _fresh_state(s, host_state)
     n = config.rollout.num_tasks
     for u in range(_WARMUP.value):  # compile sampler buckets and the update (batches 10^6 + u)
