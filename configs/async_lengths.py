@@ -4,8 +4,8 @@
         --modes=sync,async:2:1,partial:2:1 --updates=24 --latency=pareto --latency_ms=20 \
         --latency_shape=1.2
 
-Gridworld tasks whose shortest routes are 2 to 8 moves on a 6 x 6 grid (gridworld's N = 8
-setting, `Gridworld.horizon_settings(8)`, with `min_length` 2), one task x 4 rollouts per batch,
+GridWorld tasks whose shortest routes are 2 to 8 moves on a 6 x 6 grid (gridworld's N = 8
+setting, `GridWorld.horizon_settings(8)`, with `min_length` 2), one task x 4 rollouts per batch,
 and an SFT warm start, so a batch's episodes are about as long as its task's route and batches
 differ in length. Rollouts are batched (every row of a batch waits for the slowest call of each
 step), so in the async pipeline a long batch arrives later and staler than a short one: the
@@ -15,7 +15,7 @@ staleness filter's length bias is between batches, and this setting makes it vis
 
 import os
 
-from longhorizon.envs.gridworld import Gridworld
+from longhorizon.envs.gridworld import GridWorld
 from longhorizon.studies import sweeps
 
 _DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py")
@@ -25,7 +25,7 @@ def get_config(arg=None):
   del arg
   config = sweeps.config_module(_DEFAULT).get_config()
   config.unlock()
-  settings = Gridworld.horizon_settings(8)
+  settings = GridWorld.horizon_settings(8)
   config.env.name = "gridworld"
   config.env.params = dict(settings["params"], min_length=2)
   config.env.max_steps = 10
