@@ -172,9 +172,9 @@ def main(argv):
   s = Learner.build(config)
   latency = Latency(_LATENCY.value, _LATENCY_MS.value, _LATENCY_SHAPE.value, _SEED.value)
   with s.in_mesh():
-    initial = s.initial_state()
+    initial, sft = s.initial_state(), {}
     if _WARM_START.value:  # one warm start, every mode from it (as a run's RL starts)
-      initial, _ = s.warm_start(initial)
+      initial, sft = s.warm_start(initial)
       initial = s.with_reference(initial)
     host_state = jax.device_get(initial)
     state = _fresh_state(s, host_state)
@@ -206,7 +206,10 @@ def main(argv):
   if _OUT.value:
     settings = {"updates": _UPDATES.value, "latency": dataclasses.asdict(latency),
                 "env": config.env.name, "num_tasks": config.rollout.num_tasks,
-                "group_size": config.rollout.group_size, "episodes_per_update": episodes}
+                "group_size": config.rollout.group_size, "episodes_per_update": episodes,
+                "warm_start": {"sft_steps": config.sft.steps if _WARM_START.value else 0,
+                               **{k: float(v) for k, v in sft.items()
+                                  if isinstance(v, (int, float))}}}
     out = results_io.write_json(_OUT.value, {"settings": settings, "rows": rows})
     print(f"wrote {out}")
 

@@ -42,11 +42,13 @@ def test_smoke_run_writes_consistent_json(tmp_path):
   out = tmp_path / "async_vs_sync.json"
   result = subprocess.run(
       [sys.executable, str(SCRIPT), "--updates=2", "--warmup=1", "--modes=sync,async:2:1,partial:2:1",
-       "--latency_ms=5", f"--out={out}"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+       "--latency_ms=5", "--warm_start", "--config.sft.steps=1", "--config.sft.episodes=4",
+       f"--out={out}"], capture_output=True, text=True, timeout=300, cwd=ROOT)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "episodes/s" in result.stdout and "async:2:1" in result.stdout
   payload = json.loads(out.read_text())
   assert payload["settings"]["updates"] == 2
+  assert payload["settings"]["warm_start"]["sft_steps"] == 1  # every mode from one SFT warm start
   assert payload["settings"]["latency"] == {"kind": "lognormal", "ms": 5.0, "shape": 1.0, "seed": 0}
   sync, run, partial = payload["rows"]
   assert partial["mode"] == "partial:2:1" and partial["admitted_length_mean"] > 0
