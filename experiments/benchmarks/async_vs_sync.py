@@ -23,8 +23,11 @@ recomputed at a switch). Measured per mode: wall time, trained episodes/s and up
 over `sync`, mean and max policy lag, dropped-episode rate, learner idle share (waiting for a
 batch; for sync, the rollout share), actor idle share (actors waiting for admission or queue
 space; for sync, the update share), and the episode-length bias of the staleness filter: the mean
-policy tokens per episode over the episodes received and over those the filter kept any token
-of, with the mean token lag and the count of episodes that spanned versions. Prints one table;
+policy tokens per episode over the episodes received, over those the filter kept any token of
+and over those it dropped whole (episode-weighted over the run), with the mean token lag and the
+count of episodes that spanned versions. `--warm_start` starts every mode from the config's SFT
+warm start: with `configs/async_lengths.py` (one gridworld task of a 2-8 move route per batch)
+batches differ in length, so the filter's length bias shows. Prints one table;
 `--out` writes the rows as JSON.
 """
 
@@ -92,7 +95,8 @@ def run_sync(s, host_state, updates: int, latency: Latency) -> dict:
   return {"wall_s": wall, "lag_mean": 0.0, "lag_max": 0.0, "dropped_episode_rate": 0.0,
           "learner_idle_frac": rollout_s / wall, "actor_idle_frac": update_s / wall,
           "final_loss": metrics["loss"], "sampled_length_mean": float("nan"),
-          "admitted_length_mean": float("nan"), "token_lag_mean": 0.0, "partial_episodes": 0.0}
+          "admitted_length_mean": float("nan"), "dropped_length_mean": float("nan"),
+          "token_lag_mean": 0.0, "partial_episodes": 0.0}
 
 
 def run_async(s, host_state, updates: int, latency: Latency, actors: int, staleness: int,
@@ -127,6 +131,14 @@ def run_async(s, host_state, updates: int, latency: Latency, actors: int, stalen
   received = total("async/lag_count/stale") + sum(
       total(f"async/lag_count/{i}") for i in range(staleness + 1))
   idle, busy = total("async/actor_idle_s"), total("async/actor_busy_s")
+  # Episode-weighted lengths over the whole run (each update's means are over the episodes it
+  # received / kept; kept = received - dropped), and the mean length of the dropped episodes.
+  got = [sum(r[f"async/lag_count/{i}"] for i in range(staleness + 1))
+         + r["async/lag_count/stale"] for r in rows]
+  kept = [g - r["async/dropped_episodes"] for g, r in zip(got, rows)]
+  sampled_sum = sum(r["async/sampled_length_mean"] * g for r, g in zip(rows, got))
+  admitted_sum = sum(r["async/admitted_length_mean"] * k for r, k in zip(rows, kept))
+  dropped = total("async/dropped_episodes")
   return {"wall_s": wall,
           "lag_mean": float(np.mean([r["async/lag_mean"] for r in rows])),
           "lag_max": max(r["async/lag_max"] for r in rows),
@@ -134,8 +146,10 @@ def run_async(s, host_state, updates: int, latency: Latency, actors: int, stalen
           "learner_idle_frac": total("async/learner_idle_s") / wall,
           "actor_idle_frac": idle / max(idle + busy, 1e-9),
           "final_loss": rows[-1]["loss"],
-          "sampled_length_mean": float(np.mean([r["async/sampled_length_mean"] for r in rows])),
-          "admitted_length_mean": float(np.mean([r["async/admitted_length_mean"] for r in rows])),
+          "sampled_length_mean": sampled_sum / max(sum(got), 1),
+          "admitted_length_mean": admitted_sum / max(sum(kept), 1),
+          "dropped_length_mean": ((sampled_sum - admitted_sum) / dropped if dropped
+                                  else float("nan")),
           "token_lag_mean": float(np.mean([r["async/token_lag_mean"] for r in rows])),
           "partial_episodes": total("async/partial_episodes")}
 
@@ -144,6 +158,7 @@ def print_table(rows):
   header = (f"{'mode':<24} {'actors':>6} {'stale':>5} {'wall s':>8} {'episodes/s':>10} "
             f"{'updates/s':>9} {'speed-up':>8} {'lag mean':>8} {'lag max':>7} {'dropped':>7} "
             f"{'learner idle':>12} {'actor idle':>10} {'len sampled':>11} {'len admitted':>12} "
+            f"{'len dropped':>11} "
             f"{'token lag':>9} {'partial':>7}")
   print(header)
   print("-" * len(header))
@@ -153,6 +168,7 @@ def print_table(rows):
           f"{r['lag_mean']:>8.2f} {r['lag_max']:>7.0f} {r['dropped_episode_rate']:>7.2f} "
           f"{r['learner_idle_frac']:>12.2f} {r['actor_idle_frac']:>10.2f} "
           f"{r['sampled_length_mean']:>11.1f} {r['admitted_length_mean']:>12.1f} "
+          f"{r['dropped_length_mean']:>11.1f} "
           f"{r['token_lag_mean']:>9.2f} {r['partial_episodes']:>7.0f}")
 
 

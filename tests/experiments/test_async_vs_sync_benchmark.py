@@ -52,6 +52,14 @@ def test_smoke_run_writes_consistent_json(tmp_path):
   assert payload["settings"]["latency"] == {"kind": "lognormal", "ms": 5.0, "shape": 1.0, "seed": 0}
   sync, run, partial = payload["rows"]
   assert partial["mode"] == "partial:2:1" and partial["admitted_length_mean"] > 0
+  # The run's episode-weighted means: received = kept and dropped, in proportion.
+  kept_share = 1 - run["dropped_episode_rate"]
+  if run["dropped_episode_rate"]:
+    np.testing.assert_allclose(
+        run["sampled_length_mean"], kept_share * run["admitted_length_mean"]
+        + run["dropped_episode_rate"] * run["dropped_length_mean"], rtol=1e-6)
+  else:
+    assert np.isnan(run["dropped_length_mean"])
   assert (sync["mode"], run["mode"], run["actors"], run["max_staleness"]) == (
       "sync", "async:2:1", 2, 1)
   assert sync["speedup"] == 1.0 and sync["lag_mean"] == 0.0
