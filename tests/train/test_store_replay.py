@@ -194,3 +194,22 @@ def test_config_refuses_replay_without_what_it_needs(tmp_path, smoke_config, cha
   config_lib.validate(smoke_config(tmp_path, **base))
   config_lib.validate(smoke_config(tmp_path, **dict(base, **{"loss.name": "tis",
                                                              "loss.tis_threshold": 2.0})))
+
+
+def test_a_resumed_run_replays_what_an_uninterrupted_one_does(tmp_path, smoke_config):
+  from longhorizon.train import loop  # pylint: disable=g-import-not-at-top
+  changes = {"store.enabled": True, "store.replay_groups": 2, "loss.tis_threshold": 2.0,
+             "sft.steps": 30, "sft.episodes": 16, "eval.num_tasks": 4, "eval.k": 1,
+             "eval.greedy": False, "tensorboard": False, "env.params.horizon": 1,
+             "checkpoint_every": 1}
+  whole, parts = tmp_path / "whole", tmp_path / "parts"
+  loop.train_and_evaluate(smoke_config(tmp_path, **dict(changes, num_updates=3)), str(whole))
+  loop.train_and_evaluate(smoke_config(tmp_path, **dict(changes, num_updates=2)), str(parts))
+  loop.train_and_evaluate(smoke_config(tmp_path, **dict(changes, num_updates=3)), str(parts))
+  read = lambda d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()
+                    if "replay/groups" in x]
+  a, b = read(whole), read(parts)
+  assert len(a) == len(b) == 3 and a[2]["replay/groups"] > 0
+  for key in ("replay/groups", "replay/eligible_groups", "replay/age_mean",
+              "replay/success_rate", "loss", "success_rate"):
+    np.testing.assert_allclose([x[key] for x in b], [x[key] for x in a], rtol=1e-5, err_msg=key)
