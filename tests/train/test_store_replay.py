@@ -158,6 +158,7 @@ def _concat(a, b):
   return jax.tree.map(lambda x, y: np.concatenate([np.asarray(x), np.asarray(y)]), a, b)
 
 
+@pytest.mark.slow  # whole training runs (CI runs them; the default suite is near its 20-minute bar)
 def test_training_loop_replays_from_its_store(tmp_path, smoke_config):
   from longhorizon.train import loop  # pylint: disable=g-import-not-at-top
   config = smoke_config(tmp_path, **{
@@ -196,6 +197,7 @@ def test_config_refuses_replay_without_what_it_needs(tmp_path, smoke_config, cha
                                                              "loss.tis_threshold": 2.0})))
 
 
+@pytest.mark.slow  # whole training runs (CI runs them; the default suite is near its 20-minute bar)
 def test_a_resumed_run_replays_what_an_uninterrupted_one_does(tmp_path, smoke_config):
   from longhorizon.train import loop  # pylint: disable=g-import-not-at-top
   changes = {"store.enabled": True, "store.replay_groups": 2, "loss.tis_threshold": 2.0,
