@@ -293,6 +293,13 @@ def _check_off_policy(config):
             "are not the learner's policy)")
 
 
+def _refuse(refusals, setting: str):
+  """Fails on the first `(path, value, refused, allowed)` that is refused with `setting`."""
+  for path, value, refused, allowed in refusals:
+    if refused:
+      _fail(path, value, f"{allowed}, with {setting}")
+
+
 def _check_replay(config):
   """Replay from the trajectory store (`train/replay.py`): only with what it was built and tested
   for, and with an off-policy correction for the older policies' tokens."""
@@ -324,9 +331,7 @@ def _check_replay(config):
       ("mesh.data", config.mesh.data, config.mesh.data * config.mesh.fsdp * config.mesh.tensor > 1,
        "1 (with mesh.fsdp = mesh.tensor = 1: the store is process 0's)"),
   )
-  for path, value, refused, allowed in refusals:
-    if refused:
-      _fail(path, value, f"{allowed}, with store.replay_groups={n}")
+  _refuse(refusals, f"store.replay_groups={n}")
   rows = (r.num_tasks + n) * r.group_size
   if rows % config.optim.minibatches:
     _fail("optim.minibatches", config.optim.minibatches,
@@ -368,9 +373,7 @@ def _check_context(config):
       ("mesh.data", config.mesh.data, config.mesh.data * config.mesh.fsdp * config.mesh.tensor > 1,
        "1 (with mesh.fsdp = mesh.tensor = 1: segment rows are not placed on a mesh yet)"),
   )
-  for path, value, refused, allowed in refusals:
-    if refused:
-      _fail(path, value, f"{allowed}, with context.mode={mode!r}")
+  _refuse(refusals, f"context.mode={mode!r}")
   if mode == "summary" and not _has_state_text(config.env.name):
     _fail("context.mode", mode, f"'full' or 'window' for the environment {config.env.name!r}: "
           f"it has no state summary (Environment.state_text), which summary writes")

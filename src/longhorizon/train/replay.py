@@ -101,9 +101,9 @@ class StoreReplay:
     rows, padding included), their `[R]` row scales (1 replayed, 0 padding) and the `replay/*`
     metrics. `batch` is the fresh batch (host arrays), whose first group pads."""
     rng = np.random.default_rng([self.seed, update, REPLAY_STREAM])
-    rows = self.store.rows() if self.store.files() else None
-    drawn, eligible = ([], 0) if rows is None else draw_groups(
-        rows, self.groups, rng, group_size=self.group_size, update=update, priority=self.priority)
+    rows = self.store.rows()  # empty before the first append
+    drawn, eligible = draw_groups(rows, self.groups, rng, group_size=self.group_size,
+                                  update=update, priority=self.priority)
     top = int(np.max(batch.group)) + 1
     host = jax.tree.map(np.asarray, batch)
     pad = jax.tree.map(lambda x: x[:self.group_size], host)  # the fresh batch's first group
