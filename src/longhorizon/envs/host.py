@@ -141,6 +141,15 @@ class HostEnvironment:
     return "<tool_call>" + json.dumps({"name": schema["name"], "arguments": arguments}) + \
         "</tool_call>"
 
+  def state_text(self) -> str:
+    """A summary of the episode's current state, written in the task's place when
+    `context.mode='summary'` rewrites the context (`rollout/context.py`): what the policy needs to
+    go on from here as from a fresh task, in the words of `vocabulary()`. Environments without
+    one raise (summary mode is then refused by the config)."""
+    raise NotImplementedError(
+        f"{type(self).__name__} has no state summary (state_text), which context.mode='summary' "
+        f"needs; use context.mode='window' or implement it.")
+
   def snapshot(self) -> Any:
     """A picklable copy of the episode's state, independent of this instance: `restore` on a
     fresh instance (after `reset` of the same task and seed) continues the episode exactly."""

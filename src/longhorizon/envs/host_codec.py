@@ -67,6 +67,11 @@ class HostCodec:
       return chat_text(self.tokenizer, messages, tools)
     return f"{BOS} {system} {observation} {ACT}" if system else f"{BOS} {observation} {ACT}"
 
+  def summary_prompt_text(self, summary: str) -> str:
+    """The context a summary segment starts from (`rollout/context.py`): the prompt's framing with
+    `summary` (the environment's `state_text`) in the first observation's place."""
+    return self.prompt_text(summary)
+
   def render_prompt(self, observation: str) -> list[int]:
     return self._encode(self.prompt_text(observation))
 

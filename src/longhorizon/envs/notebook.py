@@ -131,6 +131,9 @@ class Notebook(HostEnvironment):
   def random_action(self, seed: int) -> str | None:
     return self._env.random_action(seed)
 
+  def state_text(self) -> str:
+    return self._env.state_text()
+
   def snapshot(self) -> Any:
     return {"env": self._env.snapshot(), "notes": list(self._notes)}
 

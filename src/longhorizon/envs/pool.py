@@ -599,6 +599,10 @@ class EnvPool:
     out = self._map({r: ("oracle", ()) for r in rows}, oracle=True)
     return {r: (v if isinstance(v, str) else None) for r, v in out.items()}
 
+  def state_texts(self, rows) -> dict[int, str | None]:
+    """Each of `rows`' state summary (`HostEnvironment.state_text`; None where the call failed)."""
+    return self._map({int(r): ("state_text", ()) for r in rows}, oracle=True)
+
   def random_actions(self, seeds: dict[int, int]) -> dict[int, str | None]:
     """Each row's `random_action(seed)` (None where it has none or failed)."""
     out = self._map({r: ("random_action", (s,)) for r, s in seeds.items()}, oracle=True)

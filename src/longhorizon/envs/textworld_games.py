@@ -514,6 +514,25 @@ class TextWorldGames(HostEnvironment):
     commands = sorted(normalize_text(c) for c in self._state["admissible_commands"] or [])
     return random.Random(seed).choice(commands) if commands else None
 
+  def state_text(self) -> str:
+    """The objective with the steps already scored removed, then the current room's description:
+    what a game started from here with the same remaining plan would say (at the start, exactly
+    the reset observation's text). The objective spells one clause per walkthrough action,
+    sentence by sentence, before a closing sentence ("that ' s it !"); an objective that does not
+    split so is kept whole."""
+    if self._state is None:
+      raise RuntimeError("textworld: state_text() before reset().")
+    objective = normalize_text(self._state["objective"] or "")
+    sentences = objective.split(" . ")
+    steps, score = int(self._state["max_score"] or 0), int(self._state["score"] or 0)
+    if 0 < steps < len(sentences) and 0 < score < steps:
+      # the last `steps` sentences before the closing one are the plan's clauses (the first may
+      # also carry the introduction); drop the first `score` of them
+      first = len(sentences) - 1 - steps
+      sentences = sentences[:first] + sentences[first + score:]
+    text = normalize_text(f"{' . '.join(sentences)} {self._state['description'] or ''}")
+    return self._with_commands(text)
+
   def snapshot(self) -> dict:
     if self._task is None:
       raise RuntimeError("textworld: snapshot() before reset().")

@@ -730,8 +730,13 @@ class _HostRows:
     return ts.reward
 
   def state_text(self, r: int) -> str:
-    raise ValueError(f"context.mode='summary' needs the environment's state summary; the host "
-                     f"environment {self.env.name!r} has none (use context.mode='window').")
+    """Row `r`'s state summary, from its instance in the pool (`HostEnvironment.state_text`)."""
+    text = self.pool.state_texts([r]).get(r)
+    if text is None:
+      raise RuntimeError(f"context.mode='summary': the host environment {self.env.name!r} gave no "
+                         f"state summary for row {r} (its state_text call failed: "
+                         f"{self.pool.stats()})")
+    return text
 
   def observation(self, r: int):
     text = self.results[r].observation

@@ -385,5 +385,7 @@ def _has_state_text(name: str) -> bool:
     cls = envs.resolve(name)
   except Exception:  # an unknown name is reported by its own check
     return True
-  return (isinstance(cls, type) and not issubclass(cls, HostEnvironment)
-          and cls.state_text is not envs.Environment.state_text)
+  if not isinstance(cls, type):
+    return True
+  base = HostEnvironment if issubclass(cls, HostEnvironment) else envs.Environment
+  return cls.state_text is not base.state_text
