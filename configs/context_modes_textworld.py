@@ -44,7 +44,7 @@ def get_config(arg="summary"):
   # TextWorld learning run, docs/notes/issue-17.md)
   config.tasks.train_size = 640
   config.tasks.test_size = 32
-  config.tasks.ood_size = 0
+  config.tasks.ood_size = 1  # (the ood split is not evaluated here)
   config.algorithm.name = "grpo"
   config.num_updates = 16
   config.rollout.num_tasks = 8

@@ -15,7 +15,8 @@ sampled in its own context mode, from which it measures
   rewritten context, the policy's log-probs of its own sampled actions with the rewritten context
   (`q`, the behaviour) and after the history `full` would hold instead (`p`,
   `context.rewrite_pairs`): `kl = E_q[log q - log p]` per action token, and the importance ratio
-  `p / q` (its mean and the share of tokens outside [0.8, 1.25]).
+  `p / q` (its mean and the share of tokens outside [0.8, 1.25]); for offload the same with every
+  offloaded output inline instead of its stub (`context.offload_pairs`, all rows).
 
 Writes `runs.json` (everything per run), `summary.md` (per mode: seeds, success mean and 95%
 t-interval, the shift) and `context_length.png` / `curves.png`.
@@ -50,7 +51,7 @@ _EPISODES = flags.DEFINE_integer("episodes", 32, "Test episodes sampled per run 
                                  "context lengths and the rewrite's shift.")
 flags.mark_flags_as_required(["root"])
 
-MODES = ("full", "window", "summary", "policy")
+MODES = ("full", "window", "summary", "policy", "offload")
 
 
 def context_lengths(rows, max_steps: int) -> list[float | None]:
@@ -81,6 +82,22 @@ def rewrite_shift(learner: Learner, params, rows, rewritten) -> dict:
           "ratio_outside_0.8_1.25": float(np.mean((ratio < 0.8) | (ratio > 1.25)))}
 
 
+def offload_shift(learner: Learner, params, rows, tasks) -> dict:
+  """The policy's log-probs of its own actions with the stubs it saw (`q`) and with every
+  offloaded output inline (`p`), as `rewrite_shift` (see the module doc)."""
+  # outputs inline: a few times the budget (offload_pairs names a row that needs more)
+  q_rows, p_rows = context.offload_pairs(rows, learner.env, learner.codec, tasks,
+                                         4 * rows.context_length)
+  t = learner.rollout.temperature
+  q = np.asarray(episode_logprobs(params, learner.model_config, to_device(q_rows), temperature=t))
+  p = np.asarray(episode_logprobs(params, learner.model_config, to_device(p_rows), temperature=t))
+  q, p = q[np.asarray(q_rows.loss_mask)], p[np.asarray(p_rows.loss_mask)]
+  ratio = np.exp(p - q)
+  return {"segments": int(rows.batch_size), "tokens": int(q.size), "kl": float(np.mean(q - p)),
+          "ratio_mean": float(ratio.mean()),
+          "ratio_outside_0.8_1.25": float(np.mean((ratio < 0.8) | (ratio > 1.25)))}
+
+
 def measure(run: str, episodes: int) -> dict:
   """Context lengths and the rewrite's shift of `run`'s final policy on test episodes."""
   with open(os.path.join(run, "config.json"), encoding="utf-8") as f:
@@ -105,10 +122,15 @@ def measure(run: str, episodes: int) -> dict:
       jax.random.split(jax.random.key(config.seed + 17), n), s.collect_config(group_size=1),
       sampling_seed=config.seed + 17)
   rows = join_segments(batch, stats.segments)
+  if config.context.mode == "offload":
+    shift = offload_shift(s, state.params, rows, [source[i] for i in range(n)])
+  else:
+    shift = rewrite_shift(s, state.params, rows, stats.rewritten or [])
   return {"context_length": context_lengths(rows, config.env.max_steps),
           "sampled_success": float(np.mean(batch.success)),
-          "mean_steps": float(np.mean(batch.num_steps)),
-          "shift": rewrite_shift(s, state.params, rows, stats.rewritten or [])}
+          "mean_steps": float(np.mean(batch.num_steps)), "shift": shift,
+          "env": config.env.name, "context_budget": config.rollout.context_length,
+          "horizon": int(config.env.params.get("horizon", config.env.params.get("quest_length", 0)))}
 
 
 def read_runs(root: str, episodes: int) -> list[dict]:
@@ -164,7 +186,8 @@ def _mean(runs, key) -> str:
 
 def _plots(runs: list[dict], out: str) -> None:
   colors = {"full": "tab:gray", "window": "tab:blue", "summary": "tab:green",
-            "policy": "tab:orange"}
+            "policy": "tab:orange", "offload": "tab:purple"}
+  task = _task_label(runs)
   fig = Figure(figsize=(6, 3.6))
   ax = fig.subplots()
   for r in runs:
@@ -172,7 +195,7 @@ def _plots(runs: list[dict], out: str) -> None:
     ax.plot(*zip(*steps), color=colors[r["mode"]], label=f"{r['label']} (seed {r['seed']})",
             linestyle="--" if r["mode"] == "full" else "-", linewidth=3 if r["mode"] == "full" else 1.5)
   ax.set(xlabel="step", ylabel="tokens in context at the step's action",
-         title="Context length per turn (pointer_chain N = 32, budget 128)")
+         title=f"Context length per turn ({task})")
   ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(os.path.join(out, "context_length.png"), dpi=120)
@@ -181,10 +204,19 @@ def _plots(runs: list[dict], out: str) -> None:
   for r in runs:
     ax.plot(*zip(*r["curve"]), color=colors[r["mode"]],
             label=f"{r['label']} (seed {r['seed']})")
-  ax.set(xlabel="update", ylabel="training success", title="GRPO on pointer_chain N = 32")
+  ax.set(xlabel="update", ylabel="training success", title=f"GRPO on {task}")
   ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(os.path.join(out, "curves.png"), dpi=120)
+
+
+def _task_label(runs: list[dict]) -> str:
+  """"pointer_chain N = 32, budget 128" or "textworld quest 16, budget 640" (the first run's)."""
+  r = runs[0]
+  env, budget = r.get("env", "pointer_chain"), r.get("context_budget", 128)
+  horizon = r.get("horizon", 32)
+  name = f"textworld quest {horizon}" if env == "textworld" else f"{env} N = {horizon}"
+  return f"{name}, budget {budget}"
 
 
 def main(argv):

@@ -307,3 +307,39 @@ def test_config_refuses_segments_with_what_reads_one_row_per_episode(tmp_path, c
   with pytest.raises(config_lib.ConfigError, match=None) as info:
     config_lib.validate(_train_config(tmp_path, **changes))
   assert message in str(info.value)
+
+
+def test_the_warm_start_drops_empty_segment_rows_without_changing_its_update(env, codec, model,
+                                                                              tasks):
+  """Segment rows past an episode's last (the fixed `B x (segments - 1)` shape) train nothing:
+  the warm start drops them (keeping as few as a minibatch multiple needs), with the same
+  update."""
+  import optax
+  from longhorizon.core.episode import without_empty_segments
+  from longhorizon.train.update import TrainState, sft_update
+  config, params = model
+  batch, stats = _oracle(env, codec, tasks, _rc("summary", context_segments=8))
+  rows = join_segments(batch, stats.segments).validate()
+  b = batch.batch_size
+  kept = without_empty_segments(rows, b, multiple=4).validate()
+  has_loss = np.asarray(kept.loss_mask).any(-1)
+  assert kept.batch_size % 4 == 0 and kept.batch_size < rows.batch_size
+  assert int((~has_loss).sum()) < 4 and has_loss[:b].all()
+  assert int(np.asarray(kept.loss_mask).sum()) == int(np.asarray(rows.loss_mask).sum())
+  np.testing.assert_array_equal(kept.tokens[:b], rows.tokens[:b])  # episodes first, unchanged
+  # nothing to drop, or no multiple reachable: the batch itself
+  assert without_empty_segments(kept, b, multiple=1).batch_size == int(has_loss.sum())
+  assert without_empty_segments(rows, b, multiple=rows.batch_size + 1) is rows
+
+  optimizer = optax.sgd(0.1)
+
+  def update(x):
+    p = jax.tree.map(lambda a: a.copy(), params)
+    state = TrainState(params=p, opt_state=optimizer.init(p), critic_params=None,
+                       critic_opt_state=None, step=np.int32(0), policy_version=np.int32(0),
+                       rng=jax.random.key(0), skipped=np.int32(0))
+    out, _ = sft_update(state, to_device(x), config=config, optimizer=optimizer, minibatches=1)
+    return out.params
+
+  jax.tree.map(lambda a, c: np.testing.assert_allclose(a, c, atol=1e-6, rtol=1e-5),
+               update(rows), update(kept))

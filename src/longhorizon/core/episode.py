@@ -24,7 +24,7 @@ from longhorizon.core import advantages as _advantages
 
 __all__ = ["EpisodeBatch", "Termination", "RECOVERY", "bucket_length", "empty", "episodes_only",
            "join_segments", "num_episodes", "to_device", "trim", "used_length",
-           "place_step_rewards", "broadcast_steps"]
+           "without_empty_segments", "place_step_rewards", "broadcast_steps"]
 
 # Re-exported: the two step <-> token helpers belong with the data model as much as with the math.
 place_step_rewards = _advantages.place_step_rewards
@@ -310,6 +310,24 @@ def join_segments(batch: EpisodeBatch, segments: EpisodeBatch | None) -> Episode
                      "routing replay are not supported (the re-prefilled segments' routing is not "
                      "recorded).")
   return jax.tree.map(lambda a, b: np.concatenate([np.asarray(a), np.asarray(b)]), batch, segments)
+
+
+def without_empty_segments(batch: EpisodeBatch, num_episodes: int, multiple: int = 1) -> EpisodeBatch:
+  """A joined batch (`join_segments`, its first `num_episodes` rows the episodes) without the
+  segment rows that hold no trained token (episodes with fewer segments than the fixed shape
+  allows), keeping the first of them only as far as needed for a row count that is a multiple of
+  `multiple` (minibatches). Episode rows and the kept segments' `segment_of` are unchanged. For
+  one-off shapes (the warm start): the rollout's own batches keep one shape per update."""
+  loss = np.asarray(batch.loss_mask).any(-1)
+  empty_rows = np.flatnonzero(~loss[num_episodes:]) + num_episodes
+  keep = np.flatnonzero(loss | (np.arange(batch.batch_size) < num_episodes))
+  short = (-len(keep)) % max(1, int(multiple))
+  if short > len(empty_rows):
+    return batch
+  keep = np.sort(np.concatenate([keep, empty_rows[:short]]))
+  if len(keep) == batch.batch_size:
+    return batch
+  return jax.tree.map(lambda a: np.asarray(a)[keep], batch)
 
 
 def used_length(batch: EpisodeBatch) -> int:

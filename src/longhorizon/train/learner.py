@@ -590,7 +590,10 @@ class Learner:
     if not c.sft.get("store") and not c.sft.demo_epsilon and not batch.success.all():
       logging.warning("oracle SFT episodes: only %.2f succeed (context budget, turn budget "
                       "rollout.turn_tokens or step limit too small?)", float(batch.success.mean()))
-    batch = to_device(self.trimmed(episode_lib.join_segments(batch, segments)))
+    rows = episode_lib.join_segments(batch, segments)
+    if segments is not None:  # segment rows past an episode's last hold nothing to train on
+      rows = episode_lib.without_empty_segments(rows, batch.batch_size, c.sft.minibatches)
+    batch = to_device(self.trimmed(rows))
     sft_opt = make_optimizer(c.sft.learning_rate, max_grad_norm=self.optim.max_grad_norm)
     sft_state = state.replace(opt_state=self.init_opt_state(state.params, sft_opt))
     metrics, start, every = {}, time.perf_counter(), max(1, c.sft.steps // 5)
