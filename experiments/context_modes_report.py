@@ -148,7 +148,7 @@ def read_runs(root: str, episodes: int) -> list[dict]:
     mode = config["context"]["mode"]
     if mode == "summary" and config["context"].get("summary_by") == "policy":
       mode = "policy"
-    every = config["context"].get("every", 0)
+    every = config["context"].get("every", 0) if mode not in ("full", "offload") else 0
     row = {"run": os.path.basename(run), "mode": mode, "every": every,
            "label": mode if not every else f"{mode}, every {every}",
            "seed": config["seed"], "num_updates": result["num_updates"],
