@@ -38,6 +38,7 @@ from longhorizon import rollout
 from longhorizon.core.episode import join_segments, to_device
 from longhorizon.envs import tasks as task_suites
 from longhorizon.rollout import context
+from longhorizon.studies import context_report
 from longhorizon.studies.credit_report import interval
 from longhorizon.train.checkpoints import Checkpointer
 from longhorizon.train.learner import Learner
@@ -52,17 +53,6 @@ _EPISODES = flags.DEFINE_integer("episodes", 32, "Test episodes sampled per run 
 flags.mark_flags_as_required(["root"])
 
 MODES = ("full", "window", "summary", "policy", "offload")
-
-
-def context_lengths(rows, max_steps: int) -> list[float | None]:
-  """Mean tokens in context when each step's action began (None past the last step reached):
-  the position of the step's first sampled token in the row holding it."""
-  per_step = [[] for _ in range(max_steps)]
-  for j in range(rows.batch_size):
-    turn, loss = np.asarray(rows.turn[j]), np.asarray(rows.loss_mask[j], bool)
-    for t in np.unique(turn[loss]):
-      per_step[int(t)].append(int(np.flatnonzero(loss & (turn == t))[0]))
-  return [float(np.mean(v)) if v else None for v in per_step]
 
 
 def rewrite_shift(learner: Learner, params, rows, rewritten) -> dict:
@@ -126,7 +116,7 @@ def measure(run: str, episodes: int) -> dict:
     shift = offload_shift(s, state.params, rows, [source[i] for i in range(n)])
   else:
     shift = rewrite_shift(s, state.params, rows, stats.rewritten or [])
-  return {"context_length": context_lengths(rows, config.env.max_steps),
+  return {"context_length": context_report.context_lengths(rows, config.env.max_steps),
           "sampled_success": float(np.mean(batch.success)),
           "mean_steps": float(np.mean(batch.num_steps)), "shift": shift,
           "env": config.env.name, "context_budget": config.rollout.context_length,
@@ -187,7 +177,7 @@ def _mean(runs, key) -> str:
 def _plots(runs: list[dict], out: str) -> None:
   colors = {"full": "tab:gray", "window": "tab:blue", "summary": "tab:green",
             "policy": "tab:orange", "offload": "tab:purple"}
-  task = _task_label(runs)
+  task = context_report.task_label(runs)
   fig = Figure(figsize=(6, 3.6))
   ax = fig.subplots()
   for r in runs:
@@ -208,15 +198,6 @@ def _plots(runs: list[dict], out: str) -> None:
   ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(os.path.join(out, "curves.png"), dpi=120)
-
-
-def _task_label(runs: list[dict]) -> str:
-  """"pointer_chain N = 32, budget 128" or "textworld quest 16, budget 640" (the first run's)."""
-  r = runs[0]
-  env, budget = r.get("env", "pointer_chain"), r.get("context_budget", 128)
-  horizon = r.get("horizon", 32)
-  name = f"textworld quest {horizon}" if env == "textworld" else f"{env} N = {horizon}"
-  return f"{name}, budget {budget}"
 
 
 def main(argv):
