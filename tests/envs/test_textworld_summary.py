@@ -90,6 +90,7 @@ def _rc(**kw):
       context_mode="summary", context_every=2, context_keep=2, context_segments=5), **kw})
 
 
+@pytest.mark.slow  # (the default suite sits at its 20-minute bar; CI runs it)
 def test_summary_carries_the_oracle_where_full_overflows(env):
   codec = env.codec()
   tasks = env.tasks("test", 2, 0)
@@ -116,6 +117,7 @@ def test_summary_carries_the_oracle_where_full_overflows(env):
       assert int(rows.turn[j][rows.loss_mask[j]].min()) == 2 * k
 
 
+@pytest.mark.slow
 def test_sampled_summary_segments_are_token_exact(env):
   codec = env.codec()
   config = tiny_config()
