@@ -55,6 +55,19 @@ flags.mark_flags_as_required(["root"])
 MODES = ("full", "window", "summary", "policy", "offload")
 
 
+def _shift(learner: Learner, params, q_rows, p_rows, count: int) -> dict:
+  """The policy's log-probs of the same sampled tokens in `q_rows` (the contexts it saw) and
+  `p_rows` (the alternative): KL per action token and the importance ratio `p / q`."""
+  t = learner.rollout.temperature
+  q = np.asarray(episode_logprobs(params, learner.model_config, to_device(q_rows), temperature=t))
+  p = np.asarray(episode_logprobs(params, learner.model_config, to_device(p_rows), temperature=t))
+  q, p = q[np.asarray(q_rows.loss_mask)], p[np.asarray(p_rows.loss_mask)]
+  ratio = np.exp(p - q)
+  return {"segments": count, "tokens": int(q.size), "kl": float(np.mean(q - p)),
+          "ratio_mean": float(ratio.mean()),
+          "ratio_outside_0.8_1.25": float(np.mean((ratio < 0.8) | (ratio > 1.25)))}
+
+
 def rewrite_shift(learner: Learner, params, rows, rewritten) -> dict:
   """The policy's log-probs of each rewritten segment's own actions with and without the
   rewrite (see the module doc)."""
@@ -62,14 +75,7 @@ def rewrite_shift(learner: Learner, params, rows, rewritten) -> dict:
     return {}
   longest = max(len(h) for _, h, _ in rewritten) + rows.context_length
   q_rows, p_rows = context.rewrite_pairs(rows, rewritten, -(-longest // 64) * 64)
-  t = learner.rollout.temperature
-  q = np.asarray(episode_logprobs(params, learner.model_config, to_device(q_rows), temperature=t))
-  p = np.asarray(episode_logprobs(params, learner.model_config, to_device(p_rows), temperature=t))
-  q, p = q[np.asarray(q_rows.loss_mask)], p[np.asarray(p_rows.loss_mask)]
-  ratio = np.exp(p - q)
-  return {"segments": len(rewritten), "tokens": int(q.size), "kl": float(np.mean(q - p)),
-          "ratio_mean": float(ratio.mean()),
-          "ratio_outside_0.8_1.25": float(np.mean((ratio < 0.8) | (ratio > 1.25)))}
+  return _shift(learner, params, q_rows, p_rows, len(rewritten))
 
 
 def offload_shift(learner: Learner, params, rows, tasks) -> dict:
@@ -78,14 +84,7 @@ def offload_shift(learner: Learner, params, rows, tasks) -> dict:
   # outputs inline: a few times the budget (offload_pairs names a row that needs more)
   q_rows, p_rows = context.offload_pairs(rows, learner.env, learner.codec, tasks,
                                          4 * rows.context_length)
-  t = learner.rollout.temperature
-  q = np.asarray(episode_logprobs(params, learner.model_config, to_device(q_rows), temperature=t))
-  p = np.asarray(episode_logprobs(params, learner.model_config, to_device(p_rows), temperature=t))
-  q, p = q[np.asarray(q_rows.loss_mask)], p[np.asarray(p_rows.loss_mask)]
-  ratio = np.exp(p - q)
-  return {"segments": int(rows.batch_size), "tokens": int(q.size), "kl": float(np.mean(q - p)),
-          "ratio_mean": float(ratio.mean()),
-          "ratio_outside_0.8_1.25": float(np.mean((ratio < 0.8) | (ratio > 1.25)))}
+  return _shift(learner, params, q_rows, p_rows, int(rows.batch_size))
 
 
 def measure(run: str, episodes: int) -> dict:
