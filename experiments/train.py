@@ -5,7 +5,8 @@ r"""Trains a policy: SFT warm start, then RL, then evaluation (see `longhorizon.
 
 Rerunning with the same --workdir resumes from the last checkpoint (the newest one that restores;
 a damaged one is set aside), with the same config: changes to fields that are fixed for a run are
-refused with the diff. `--init_from=OTHER_WORKDIR` starts a new run from another run's checkpoint.
+refused with the diff. `--init_from=OTHER_WORKDIR` starts a new run from another run's checkpoint
+(its newest, or `--init_from_step=N`).
 The config is validated before anything is built: a wrong value names the field and the allowed
 values. A workdir is used by one run at a time (a lock file names the owner).
 """
@@ -34,6 +35,9 @@ _INIT_FROM = flags.DEFINE_string(
     "init_from", None, "Start a new run from another run's workdir: its newest checkpoint's policy "
     "parameters, with this config's algorithm and optimiser (e.g. several algorithms from one warm "
     "start). Recorded in init_from.json and eval.json.")
+_INIT_FROM_STEP = flags.DEFINE_integer(
+    "init_from_step", None, "With --init_from: the source's checkpoint step to start from "
+    "(default: its newest restorable one); a missing step is an error naming the steps there.")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None,
                                    "Multi-host: host:port of process 0 (or JAX_COORDINATOR_ADDRESS).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
@@ -96,7 +100,8 @@ def main(argv):
   try:
     config_lib.validate(_CONFIG.value)
     result = loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value, hook=crash_hook(),
-                                     init_from=_INIT_FROM.value)
+                                     init_from=_INIT_FROM.value,
+                                     init_from_step=_INIT_FROM_STEP.value)
   except (config_lib.ConfigError, workdir_lib.WorkdirError, CheckpointError,
           task_suites.CorruptSuiteError) as e:
     # A config field or a workdir the user can fix: the message names it; no traceback.

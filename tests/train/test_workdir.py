@@ -11,11 +11,14 @@ import subprocess
 import sys
 import time
 
+import jax
+import numpy as np
 import pytest
 
 from configs import default as default_config
 from longhorizon.train import config as config_lib
 from longhorizon.train import workdir as workdir_lib
+from longhorizon.train.checkpoints import Checkpointer
 from longhorizon.train.metrics import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -289,3 +292,55 @@ def test_resume_with_changed_config_and_init_from(tmp_path):
   assert run.returncode == 2 and "--init_from only starts a new run" in run.stderr
   run = _train(tmp_path, tmp_path / "bad", "--config.model.hidden_size=64", f"--init_from={base}")
   assert run.returncode == 2 and "model.hidden_size: 128 (source) -> 64 (now)" in run.stderr
+
+  # An older checkpoint of the source (which step 0 holds is checked on planted parameters in
+  # test_init_from_step_takes_that_checkpoint: this smoke run's updates leave them unchanged).
+  older = tmp_path / "older"
+  run = _train(tmp_path, older, "--config.num_updates=1", f"--init_from={base}",
+               "--init_from_step=2")
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert json.loads((older / "init_from.json").read_text())["step"] == 2
+  assert "checkpoint step 2" in run.stderr
+  params = lambda w, step: jax.tree.leaves(Checkpointer(str(w / "checkpoints")).restore(step)[0]
+                                           ["params"])
+  assert all(np.array_equal(a, b) for a, b in zip(params(older, 0), params(base, 2)))
+  # Resuming it with another step is refused; a step the source lacks names the steps there.
+  run = _train(tmp_path, older, "--config.num_updates=1", f"--init_from={base}",
+               "--init_from_step=3")
+  assert run.returncode == 2 and "already holds a run started from step 2" in run.stderr
+  run = _train(tmp_path, tmp_path / "missing", "--config.num_updates=1", f"--init_from={base}",
+               "--init_from_step=7")
+  assert run.returncode == 2 and "no checkpoint step 7" in run.stderr, run.stderr[-3000:]
+  assert "steps there: [" in run.stderr and "Traceback" not in run.stderr
+  run = _train(tmp_path, tmp_path / "nosource", "--init_from_step=2")
+  assert run.returncode == 2 and "--init_from_step needs --init_from" in run.stderr
+
+
+def test_init_from_step_takes_that_checkpoint(tmp_path):
+  """`start_from(..., step)` starts from that checkpoint's parameters, the default from the newest:
+  a source workdir with two planted checkpoints whose parameters differ."""
+  from longhorizon.train import loop  # pylint: disable=g-import-not-at-top
+  from longhorizon.train.learner import Learner  # pylint: disable=g-import-not-at-top
+  config = default_config.get_config("smoke")
+  config.unlock()
+  config.eval.num_tasks, config.eval.k, config.tensorboard = 2, 1, False
+  config.lock()
+  source = tmp_path / "source"
+  source.mkdir()
+  workdir_lib.save_config(str(source), config, 0)
+  s = Learner.build(config)
+  with s.in_mesh():
+    state = s.initial_state()
+    planted = {1: state.params, 2: jax.tree.map(lambda x: x + 1, state.params)}
+    checkpointer = Checkpointer(str(source / "checkpoints"))
+    for step, params in planted.items():
+      checkpointer.save(step, state.replace(params=params), {"update": step}, force=True)
+    checkpointer.close()
+    leaves = lambda params: [np.asarray(x) for x in jax.tree.leaves(params)]
+    for step, expected in ((1, 1), (None, 2)):
+      started, meta = loop.start_from(s, s.initial_state(), str(source), step)
+      assert meta["init_from"]["step"] == expected and meta["init_from"]["update"] == expected
+      for got, want in zip(leaves(started.params), leaves(planted[expected])):
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(workdir_lib.WorkdirError, match=r"no checkpoint step 5 .*steps there: "):
+      loop.start_from(s, s.initial_state(), str(source), 5)

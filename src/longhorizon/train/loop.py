@@ -151,21 +151,24 @@ def collapse_alarms(config, metrics: dict) -> dict:
 
 # ------------------------------------------------------------------------------------------ main
 
-def train_and_evaluate(config, workdir: str, *, hook=None, init_from: str | None = None) -> dict:
+def train_and_evaluate(config, workdir: str, *, hook=None, init_from: str | None = None,
+                       init_from_step: int | None = None) -> dict:
   """Runs (or resumes) the configured experiment in `workdir` (see `_train_and_evaluate`).
 
   `workdir` may be relative or start with `~`; it is made absolute first. The run holds the
   workdir's lock (`train/workdir.py`) from before set-up to the end, so a second run on the same
   workdir refuses at once. `init_from` (another run's workdir) starts a new run from that run's
-  newest restorable checkpoint (see `start_from`); it is ignored on resume when it names the run
-  the workdir was started from, and refused otherwise.
+  newest restorable checkpoint, or checkpoint step `init_from_step` (see `start_from`); on resume
+  both are ignored when they name the run and step the workdir was started from, and refused
+  otherwise.
   """
   config_lib.validate(config)
   workdir = workdir_lib.resolve(workdir)
   with workdir_lib.WorkdirLock(workdir):
     s = Learner.build(config)
     with s.in_mesh():
-      return _train_and_evaluate(s, config, workdir, hook=hook, init_from=init_from)
+      return _train_and_evaluate(s, config, workdir, hook=hook, init_from=init_from,
+                                 init_from_step=init_from_step)
 
 
 def new_run(s: Learner, state: TrainState, config, workdir: str | None = None
@@ -203,10 +206,12 @@ _PARAMETER_FIELDS = ("model.", "env.name", "env.style")
 _COMPUTE_FIELDS = ("model.remat", "model.decode_kernel", "model.decode_quant", "model.lora.dropout")
 
 
-def start_from(s: Learner, state: TrainState, source: str) -> tuple[TrainState, dict]:
+def start_from(s: Learner, state: TrainState, source: str, step: int | None = None
+               ) -> tuple[TrainState, dict]:
   """A new run from another run's checkpoint: its parameters, this run's everything else.
 
-  The policy parameters come from the newest restorable checkpoint of the workdir `source`; the
+  The policy parameters come from the newest restorable checkpoint of the workdir `source` (or
+  its checkpoint `step`: restored or an error naming the steps there, no fallback); the
   optimiser state, critic, PRNG streams and update count start fresh from this config (so one warm
   start can be trained on by several algorithms, each in its own workdir). The KL reference is the
   loaded policy. The data position continues from the source's (RL tasks after its SFT tasks).
@@ -229,9 +234,13 @@ def start_from(s: Learner, state: TrainState, source: str) -> tuple[TrainState, 
   checkpointer = Checkpointer(os.path.join(src, "checkpoints"))
   if checkpointer.latest_step() is None:
     raise workdir_lib.WorkdirError(f"--init_from={source}: no checkpoint in {src}/checkpoints yet.")
-  saved_state, src_meta = checkpointer.restore()
-  step = checkpointer.restored_step
-  checkpointer.close()
+  try:
+    saved_state, src_meta = checkpointer.restore(step)
+  except (FileNotFoundError, ValueError) as e:  # an explicit step that is missing or incomplete
+    raise workdir_lib.WorkdirError(f"--init_from={source} --init_from_step={step}: {e}") from None
+  finally:
+    step = checkpointer.restored_step if checkpointer.restored_step is not None else step
+    checkpointer.close()
   params = saved_state["params"]
   expected = jax.tree_util.tree_flatten_with_path(state.params)[0]
   got = dict(jax.tree_util.tree_flatten_with_path(params)[0])
@@ -255,11 +264,20 @@ def start_from(s: Learner, state: TrainState, source: str) -> tuple[TrainState, 
   return state, meta
 
 
-def _check_init_from(workdir: str, init_from: str | None, meta: dict):
-  """On resume, `init_from` must name the run this workdir was started from (or be absent)."""
+def _check_init_from(workdir: str, init_from: str | None, meta: dict,
+                     init_from_step: int | None = None):
+  """On resume, `init_from` (and `init_from_step`) must name the run (and checkpoint step) this
+  workdir was started from, or be absent."""
   if init_from is None:
+    if init_from_step is not None:
+      raise workdir_lib.WorkdirError("--init_from_step needs --init_from (the run to start from).")
     return
   origin = (meta.get("init_from") or {}).get("workdir")
+  origin_step = (meta.get("init_from") or {}).get("step")
+  if origin == workdir_lib.resolve(init_from) and init_from_step not in (None, origin_step):
+    raise workdir_lib.WorkdirError(f"--init_from_step={init_from_step}: {workdir} already holds a "
+                                   f"run started from step {origin_step} of {origin}; drop the "
+                                   f"flags to resume it, or use a new --workdir.")
   if origin != workdir_lib.resolve(init_from):
     raise workdir_lib.WorkdirError(f"--init_from={init_from}: {workdir} already holds checkpoints of a run "
                      f"started from {origin or 'its own warm start'}; --init_from only starts a new "
@@ -278,7 +296,8 @@ def _resume_message(checkpointer: Checkpointer, latest: int, meta: dict, config)
   return text + "."
 
 
-def _train_and_evaluate(s: Learner, config, workdir: str, *, hook=None, init_from=None) -> dict:
+def _train_and_evaluate(s: Learner, config, workdir: str, *, hook=None, init_from=None,
+                        init_from_step=None) -> dict:
   """Runs (or resumes) the configured experiment in `workdir`; returns the final `eval.json` dict.
 
   `hook(point, update)`, if given, is called at `"rollout"`, `"update"` and `"checkpoint"` (after a
@@ -288,7 +307,7 @@ def _train_and_evaluate(s: Learner, config, workdir: str, *, hook=None, init_fro
   primary = jax.process_index() == 0
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
                               max_to_keep=config.keep_checkpoints)
-  state, meta = _start_or_resume(s, config, workdir, checkpointer, init_from)
+  state, meta = _start_or_resume(s, config, workdir, checkpointer, init_from, init_from_step)
   start, data_position = int(meta["update"]), int(meta["data_position"])
   # metrics.jsonl numbers updates from 1: drop lines after the checkpoint (updates > start).
   writer = MetricsWriter(workdir, tensorboard=config.tensorboard, is_primary=primary,
@@ -415,8 +434,8 @@ def _warn_about(update: int, metrics: dict, skipped_before: int) -> int:
   return metrics.get("skipped_updates", skipped_before)
 
 
-def _start_or_resume(s: Learner, config, workdir: str, checkpointer: Checkpointer, init_from
-                     ) -> tuple[TrainState, dict]:
+def _start_or_resume(s: Learner, config, workdir: str, checkpointer: Checkpointer, init_from,
+                     init_from_step=None) -> tuple[TrainState, dict]:
   """`(state, meta)` to continue from: the workdir's checkpoint, else a new run (a warm start, or
   another run's checkpoint with `init_from`) saved as step 0. The config is checked against the
   saved one before anything is written, and recorded."""
@@ -426,15 +445,17 @@ def _start_or_resume(s: Learner, config, workdir: str, checkpointer: Checkpointe
   changes = workdir_lib.check_config(workdir, config, resuming=latest is not None)
   if latest is not None:
     state, meta = checkpointer.restore(template=s.with_reference(state))
-    _check_init_from(workdir, init_from, meta)
+    _check_init_from(workdir, init_from, meta, init_from_step)
     logging.warning("%s", _resume_message(checkpointer, latest, meta, config))
     workdir_lib.save_config(workdir, config, int(meta["update"]), changes)
     return state, meta
+  if init_from is None and init_from_step is not None:
+    raise workdir_lib.WorkdirError("--init_from_step needs --init_from (the run to start from).")
   workdir_lib.save_config(workdir, config, 0)
   if init_from is None:
     state, meta = new_run(s, state, config, workdir)
   else:
-    state, meta = start_from(s, state, init_from)
+    state, meta = start_from(s, state, init_from, init_from_step)
     if jax.process_index() == 0:
       with open(os.path.join(workdir, "init_from.json"), "w") as f:
         json.dump(meta["init_from"], f, indent=2, sort_keys=True)
