@@ -37,7 +37,8 @@ def get_config(arg=None):
   config.env.params = ml_collections.ConfigDict({"horizon": 3})  # constructor parameters
   config.env.style = "compact"  # codec style: compact | tool_call
   config.env.max_steps = 6  # TimeLimit (and EpisodeBatch S)
-  config.env.faults = ml_collections.ConfigDict()  # FaultInjection rates, e.g. {"timeout": 0.05}
+  # FaultInjection rates, e.g. {"timeout": 0.05}, or a tool's own: {"lookup": {"unavailable": 0.2}}
+  config.env.faults = ml_collections.ConfigDict()
   config.env.env_error_kinds = ("unavailable",)  # faults that are infrastructure errors
   config.env.tool_costs = ml_collections.ConfigDict()  # ToolCost per tool name
   config.env.loop_k = 0  # LoopDetector k (0: off)

@@ -65,6 +65,7 @@ _K = flags.DEFINE_integer("k", None, "Attempts per task, >= 1 (pass@k, pass^k fo
 _NUM_TASKS = flags.DEFINE_integer("num_tasks", None, "Tasks evaluated, >= 1, the first of the split "
                                   "(default: the workdir config's eval.num_tasks, else 64).")
 _FAULTS = flags.DEFINE_string("faults", None, "Fault injection, e.g. 'timeout:0.1,unavailable:0.05' "
+                              "(TOOL.KIND:RATE for one tool's own rates) "
                               "('' for none; default: the workdir config's env.faults, else none).")
 _ENV_ERROR_KINDS = flags.DEFINE_list("env_error_kinds", None, "Faults that are env errors (default: "
                                      "the workdir config's env.env_error_kinds, else unavailable).")
@@ -79,21 +80,30 @@ flags.mark_flags_as_required(["checkpoint", "out"])
 
 
 
-def parse_faults(text: str) -> dict[str, float]:
-  """'timeout:0.1,unavailable:0.05' -> {'timeout': 0.1, 'unavailable': 0.05}; errors name the item."""
+def parse_faults(text: str) -> dict:
+  """'timeout:0.1,unavailable:0.05' -> {'timeout': 0.1, 'unavailable': 0.05} (every tool);
+  'lookup.unavailable:0.2' -> {'lookup': {'unavailable': 0.2}} (that tool's own rates, which
+  replace the shared ones for it). Errors name the item; tool names are checked against the
+  environment when it is built."""
   out = {}
   for item in filter(None, (t.strip() for t in text.split(","))):
     name, sep, rate = item.partition(":")
     if not sep:
-      raise ValueError(f"--faults item {item!r} must be KIND:RATE, e.g. timeout:0.1.")
-    if name not in envs.FAULT_KINDS:
-      raise ValueError(f"--faults kind {name!r} is unknown; kinds: {sorted(envs.FAULT_KINDS)}.")
+      raise ValueError(f"--faults item {item!r} must be KIND:RATE or TOOL.KIND:RATE, e.g. "
+                       f"timeout:0.1.")
+    tool, _, kind = name.rpartition(".")
+    if kind not in envs.FAULT_KINDS:
+      raise ValueError(f"--faults kind {kind!r} is unknown; kinds: {sorted(envs.FAULT_KINDS)}.")
     try:
-      out[name] = float(rate)
+      value = float(rate)
     except ValueError:
       raise ValueError(f"--faults rate {rate!r} of {name!r} is not a number.") from None
-    if not 0 <= out[name] <= 1:
+    if not 0 <= value <= 1:
       raise ValueError(f"--faults rate {rate!r} of {name!r} is not a probability in [0, 1].")
+    if tool:
+      out.setdefault(tool, {})[kind] = value
+    else:
+      out[kind] = value
   return out
 
 

@@ -16,7 +16,8 @@ from longhorizon.envs.base import Environment, Transition, batch_reset, batch_st
 from longhorizon.envs.rewards import RewardSpec, compose_rewards
 from longhorizon.envs.codec import Codec, default_tokenizer
 from longhorizon.envs.host import HostEnvironment, Observation, StepResult, is_host
-from longhorizon.envs.wrappers import FAULT_KINDS, FaultInjection, LoopDetector, TimeLimit, ToolCost, Wrapper
+from longhorizon.envs.wrappers import (FAULT_KINDS, FaultInjection, LoopDetector, TimeLimit, ToolCost,
+                                      Wrapper, tool_fault_rates)
 from longhorizon.envs.types import (ERROR_MESSAGES, Action, Arg, EnvState, ErrorCode, TimeStep, Tool,
                                     hash_tree, row, to_numpy)
 
@@ -25,7 +26,7 @@ __all__ = ["make", "register", "registered", "resolve", "Environment", "HostEnvi
            "Codec", "default_tokenizer", "Action", "Arg", "Tool", "EnvState", "ErrorCode",
            "ERROR_MESSAGES", "TimeStep", "hash_tree", "row", "to_numpy", "batch_reset",
            "batch_step", "stack_actions", "Wrapper", "TimeLimit", "FaultInjection", "ToolCost",
-           "LoopDetector", "FAULT_KINDS"]
+           "LoopDetector", "FAULT_KINDS", "tool_fault_rates"]
 
 # name -> "module:Class" (imported on first use) or a factory.
 _REGISTRY: dict[str, str | Callable[..., Environment]] = {

@@ -6,7 +6,8 @@ environment, leaves a finished row unchanged.
 
 * `TimeLimit(env, max_steps)`: truncates (not terminates) after `max_steps` actions.
 * `FaultInjection(env, rates, env_error_kinds)`: a well-formed tool call fails with a tool timeout,
-  an empty result, a permission error or unavailability at set rates. The call is not executed and
+  an empty result, a permission error or unavailability at set rates (one set for every tool, or
+  a tool's own: `{"timeout": 0.05, "lookup": {"unavailable": 0.2}}`). The call is not executed and
   the policy sees an error observation. Kinds in `env_error_kinds` are infrastructure failures: the
   episode stops with `env_error=True` and `truncated=True` (not the policy's fault; learners mask
   it). The others are recoverable: the episode goes on and the policy may retry.
@@ -27,7 +28,8 @@ import numpy as np
 from longhorizon.envs.base import Environment, finish_guard
 from longhorizon.envs.types import Action, EnvState, ErrorCode, TimeStep, hash_tree, select
 
-__all__ = ["Wrapper", "TimeLimit", "FaultInjection", "ToolCost", "LoopDetector", "FAULT_KINDS"]
+__all__ = ["Wrapper", "TimeLimit", "FaultInjection", "ToolCost", "LoopDetector", "FAULT_KINDS",
+           "tool_fault_rates"]
 
 FAULT_KINDS = {"timeout": ErrorCode.TIMEOUT, "empty_result": ErrorCode.EMPTY_RESULT,
                "permission_denied": ErrorCode.PERMISSION_DENIED,
@@ -141,44 +143,69 @@ class TimeLimit(Wrapper):
     return _finish(state, new_state, timestep, stop)
 
 
+def tool_fault_rates(rates: Mapping, tool_names: Sequence[str]) -> dict[str, dict[str, float]]:
+  """Each tool's fault rates from `FaultInjection`'s `rates`: a kind's rate applies to every tool
+  without an entry of its own; a tool's entry (a mapping of kinds to rates) replaces them for that
+  tool. Raises ValueError naming an unknown kind or tool, a negative rate, or a tool whose rates
+  sum past 1 (one fault at most per call)."""
+  shared = {k: v for k, v in rates.items() if not isinstance(v, Mapping)}
+  own = {k: dict(v) for k, v in rates.items() if isinstance(v, Mapping)}
+  unknown_tools = sorted(set(own) - set(tool_names))
+  if unknown_tools:
+    raise ValueError(f"FaultInjection: {unknown_tools} in the rates is neither a fault kind "
+                     f"({sorted(FAULT_KINDS)}) nor a tool ({list(tool_names)}).")
+  out = {name: own.get(name, shared) for name in tool_names}
+  for label, table in [("every tool", shared)] + [(f"tool {n!r}", t) for n, t in own.items()]:
+    unknown = sorted(set(table) - set(FAULT_KINDS))
+    if unknown:
+      raise ValueError(f"FaultInjection: unknown fault kind(s) {unknown} for {label}; known: "
+                       f"{sorted(FAULT_KINDS)}.")
+    if any(float(r) < 0 for r in table.values()) or sum(map(float, table.values())) > 1 + 1e-9:
+      raise ValueError(f"FaultInjection: rates for {label} must be >= 0 and sum to <= 1, got "
+                       f"{dict(table)}.")
+  return {name: {k: float(r) for k, r in table.items()} for name, table in out.items()}
+
+
 class FaultInjection(Wrapper):
   """Injects tool faults (see the module docstring).
 
   Args:
     env: the environment.
-    rates: fault kind -> probability per well-formed call, kinds from `FAULT_KINDS`; the sum must
-      be <= 1.
+    rates: fault kind -> probability per well-formed call, kinds from `FAULT_KINDS`, for every tool;
+      and/or tool name -> {kind: probability}, that tool's own rates instead (`tool_fault_rates`).
+      Each tool's rates must sum to <= 1.
     env_error_kinds: kinds that are infrastructure failures (episode stops, `env_error`); the rest
       are recoverable error observations.
     tools: names of the tools that can fail (default: all).
   """
 
-  def __init__(self, env: Environment, rates: Mapping[str, float],
+  def __init__(self, env: Environment, rates: Mapping[str, float | Mapping[str, float]],
                env_error_kinds: Sequence[str] = ("unavailable",), tools: Sequence[str] | None = None):
     super().__init__(env)
-    unknown = sorted(set(rates) - set(FAULT_KINDS)) + sorted(set(env_error_kinds) - set(FAULT_KINDS))
+    unknown = sorted(set(env_error_kinds) - set(FAULT_KINDS))
     if unknown:
       raise ValueError(f"FaultInjection: unknown fault kind(s) {unknown}; known: {sorted(FAULT_KINDS)}.")
-    if any(r < 0 for r in rates.values()) or sum(rates.values()) > 1 + 1e-9:
-      raise ValueError(f"FaultInjection: rates must be >= 0 and sum to <= 1, got {dict(rates)}.")
     names = [t.name for t in env.tools]
     if tools is not None and set(tools) - set(names):
       raise ValueError(f"FaultInjection: unknown tool(s) {sorted(set(tools) - set(names))}; "
                        f"tools are {names}.")
-    self.rates = dict(rates)
+    self.rates = tool_fault_rates(rates, names)  # tool name -> {kind: rate}
     self.env_error_kinds = tuple(env_error_kinds)
     self.tool_can_fail = np.array([tools is None or n in tools for n in names])
-    kinds = sorted(self.rates, key=lambda k: FAULT_KINDS[k])
+    kinds = sorted({k for table in self.rates.values() for k in table},
+                   key=lambda k: FAULT_KINDS[k])
     self._codes = np.array([0] + [int(FAULT_KINDS[k]) for k in kinds], np.int32)
-    self._edges = np.cumsum([0.0] + [self.rates[k] for k in kinds])
+    # [tools, kinds + 1]: the cumulative rate of each tool's kinds (a kind it lacks has width 0)
+    self._edges = np.cumsum([[0.0] + [self.rates[n].get(k, 0.0) for k in kinds] for n in names],
+                            axis=-1) if names else np.zeros((1, 1))
     self._is_env_error = np.array([False] + [k in self.env_error_kinds for k in kinds])
 
   def step(self, state, action):
     key = jax.random.fold_in(jax.random.fold_in(state.key, state.step), 0xFA17)
     u = jax.random.uniform(key)
-    slot = jnp.sum(u >= jnp.asarray(self._edges[1:])) + 1  # 1..len(kinds)+1
+    tool = jnp.clip(jnp.asarray(action.tool, jnp.int32), 0, max(len(self.tools) - 1, 0))
+    slot = jnp.sum(u >= jnp.asarray(self._edges)[tool, 1:]) + 1  # 1..len(kinds)+1
     slot = jnp.where(slot > len(self._codes) - 1, 0, slot)
-    tool = jnp.clip(jnp.asarray(action.tool, jnp.int32), 0, len(self.tools) - 1)
     eligible = (jnp.asarray(action.error) == 0) & jnp.asarray(self.tool_can_fail)[tool] & (
         (action.tool >= 0) & (action.tool < len(self.tools)))
     slot = jnp.where(eligible, slot, 0)

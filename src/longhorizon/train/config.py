@@ -132,8 +132,9 @@ def _check_fields(config):
     if not hasattr(_get(config, path), "items"):
       _fail(path, _get(config, path), "a mapping")
   for name, rate in config.env.faults.items():
-    if not _PROBABILITY.holds(rate):
-      _fail(f"env.faults.{name}", rate, "a probability in [0, 1]")
+    for kind, r in (rate.items() if hasattr(rate, "items") else [(None, rate)]):
+      if not _PROBABILITY.holds(r):
+        _fail(f"env.faults.{name}" + (f".{kind}" if kind else ""), r, "a probability in [0, 1]")
   for name, cost in config.env.tool_costs.items():
     if not _NON_NEGATIVE.holds(cost):
       _fail(f"env.tool_costs.{name}", cost, "a cost >= 0")
@@ -205,11 +206,17 @@ def _check_rules(config):
   a = config.algorithm
   if config.env.loop_k == 1:
     _fail("env.loop_k", config.env.loop_k, "0 (off) or an integer >= 2 (the k-th repeat stops)")
-  if sum(config.env.faults.values()) > 1 + 1e-9:
-    _fail("env.faults", dict(config.env.faults), "rates that sum to at most 1 (one fault per call)")
-  bad_faults = sorted(set(config.env.faults) - set(FAULT_KINDS))
-  if bad_faults:
-    _fail("env.faults", dict(config.env.faults), f"fault kinds from {sorted(FAULT_KINDS)}")
+  # Fault rates: kind -> rate for every tool, and/or tool -> {kind: rate} (its own; the tool names
+  # are checked when the environment is built, `envs.tool_fault_rates`).
+  faults = config.env.faults
+  shared = {k: v for k, v in faults.items() if not hasattr(v, "items")}
+  for path, table in [("env.faults", shared)] + [
+      (f"env.faults.{k}", dict(v)) for k, v in faults.items() if hasattr(v, "items")]:
+    if sum(table.values()) > 1 + 1e-9:
+      _fail(path, table, "rates that sum to at most 1 (one fault per call)")
+    if sorted(set(table) - set(FAULT_KINDS)):
+      _fail(path, table, f"fault kinds from {sorted(FAULT_KINDS)} (or a tool name -> its own "
+            "{kind: rate})")
   batch = config.rollout.num_tasks * config.rollout.group_size
   if batch % config.optim.minibatches:
     _fail("optim.minibatches", config.optim.minibatches,

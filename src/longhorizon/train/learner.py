@@ -95,8 +95,12 @@ def make_env(config) -> envs.Environment | envs.HostEnvironment:
   if envs.is_host(env):
     return _host_env(config, env)
   env = envs.TimeLimit(env, config.env.max_steps)
-  if config.env.faults and sum(config.env.faults.values()) > 0:
-    env = envs.FaultInjection(env, dict(config.env.faults), tuple(config.env.env_error_kinds))
+  faults = {k: dict(v) if hasattr(v, "items") else v for k, v in config.env.faults.items()}
+  if any(r > 0 for v in faults.values() for r in (v.values() if isinstance(v, dict) else [v])):
+    try:
+      env = envs.FaultInjection(env, faults, tuple(config.env.env_error_kinds))
+    except ValueError as e:  # a tool name the environment lacks
+      raise config_lib.ConfigError(f"env.faults: {e}") from None
   if config.env.tool_costs:
     env = envs.ToolCost(env, dict(config.env.tool_costs))
   if config.env.loop_k:
