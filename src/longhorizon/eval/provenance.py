@@ -21,22 +21,13 @@ PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy", "orbax-checkpoint", "ml-c
 
 
 def _git(*args: str) -> str | None:
-  """`git ARGS` in this file's folder; None outside a git checkout. On a loaded machine a call
-  can fail transiently (a CI run recorded no commit for two runs that had one), so a failed
-  call is tried once more, each with a 60 s limit."""
   here = os.path.dirname(os.path.abspath(__file__))
-  for _ in range(2):
-    try:
-      out = subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=60,
-                           check=True)
-    except subprocess.CalledProcessError as e:
-      if "not a git repository" in (e.stderr or ""):
-        return None
-    except (OSError, subprocess.SubprocessError):
-      pass
-    else:
-      return out.stdout.strip()
-  return None
+  try:
+    out = subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=10,
+                         check=True)
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return out.stdout.strip()
 
 
 def _version(name: str) -> str | None:
