@@ -23,7 +23,8 @@ import numpy as np
 from longhorizon.core import advantages as _advantages
 
 __all__ = ["EpisodeBatch", "Termination", "RECOVERY", "bucket_length", "empty", "episodes_only",
-           "join_segments", "num_episodes", "to_device", "trim", "used_length",
+           "join_segments", "num_episodes", "shared_prefix_length", "to_device", "trim",
+           "used_length",
            "without_empty_segments", "place_step_rewards", "broadcast_steps"]
 
 # Re-exported: the two step <-> token helpers belong with the data model as much as with the math.
@@ -344,6 +345,25 @@ def bucket_length(used: int, full: int, buckets: int) -> int:
   step = -(-full // buckets)
   step = -(-step // 8) * 8
   return min(full, max(1, -(-used // step)) * step)
+
+
+def shared_prefix_length(batch: EpisodeBatch, multiple: int) -> int:
+  """How many leading tokens a model pass may compute once for the whole batch (host): the
+  positions where every row has the same token id and position id and attends, up to the first
+  trained (`loss_mask`) token of any row, rounded down to a multiple of `multiple`; 0 when that is
+  under `multiple`, when `multiple` is 0, or for a single row. Always less than the batch's
+  length, and every trained token is scored from a hidden state at or after it
+  (`Transformer(prefix_length=...)`)."""
+  tokens = np.asarray(batch.tokens)
+  if multiple <= 0 or tokens.shape[0] < 2:
+    return 0
+  positions = np.asarray(batch.positions)
+  same = ((tokens == tokens[:1]).all(0) & (positions == positions[:1]).all(0)
+          & np.asarray(batch.attention_mask).astype(bool).all(0))
+  common = len(same) if same.all() else int(np.argmin(same))
+  trained = (np.asarray(batch.loss_mask) > 0).any(0)
+  first = int(np.argmax(trained)) if trained.any() else len(same)
+  return min(common, first, tokens.shape[1] - 1) // multiple * multiple
 
 
 def trim(batch: EpisodeBatch, length: int) -> EpisodeBatch:

@@ -22,7 +22,7 @@ Every parameter carries logical axis names (see `sharding.py`).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import flax.struct
@@ -36,8 +36,8 @@ from longhorizon.models import quant
 from longhorizon.models import lora
 from longhorizon.models.config import ModelConfig
 
-__all__ = ["KVCache", "DecodeParams", "DecoderOutput", "Transformer", "ValueHead", "Critic",
-           "PolicyWithValue", "init_cache", "prepare_decode_params", "cached_forward", "decode_logits",
+__all__ = ["KVCache", "DecodeParams", "DecoderOutput", "PrefixMask", "Transformer", "ValueHead",
+           "Critic", "PolicyWithValue", "init_cache", "prepare_decode_params", "cached_forward", "decode_logits",
            "rope_frequencies", "rope_tables", "unembedding"]
 
 _F32 = jnp.float32
@@ -322,11 +322,14 @@ def _activation(cfg: ModelConfig, x):
 ATTENTION_BLOCK = 128  # query rows per block of `causal_attention`
 
 
-def causal_attention(q, keys, values, mask, cfg: ModelConfig, block: int = ATTENTION_BLOCK):
+def causal_attention(q, keys, values, mask, cfg: ModelConfig, block: int = ATTENTION_BLOCK,
+                     key_offset: int = 0):
   """Grouped-query attention of whole causal sequences, by blocks of `block` queries.
 
-  q `[B, T, KV, G, hd]`, keys / values `[B, KV, T, hd]`, mask `[B, T, T]` (a query never sees a
-  later key). Query block `i` scores only keys `[0, end_i)`, `end_i` its last query + 1: the blocks
+  q `[B, T, KV, G, hd]`, keys / values `[B, KV, key_offset + T, hd]`, mask `[B, T, key_offset +
+  T]` (query `i` sits at key slot `key_offset + i` and never sees a later key; `key_offset` keys
+  before the queries are a shared prefix's, see `PrefixMask`). Query block `i` scores only keys
+  `[0, key_offset + end_i)`, `end_i` its last query + 1: the blocks
   above the diagonal, which the causal mask hides whole, are never computed (about half of the
   `T x T` matrix at many blocks). Scores, probabilities and their cotangents stay in the head-major
   layout `[B, KV, G * block, keys]` that the batched products read without a transpose; only the
@@ -339,23 +342,53 @@ def causal_attention(q, keys, values, mask, cfg: ModelConfig, block: int = ATTEN
   outs = []
   for start in range(0, t, block):
     end = min(start + block, t)
-    c = end - start
+    c, seen = end - start, key_offset + end
     scores = jnp.einsum("bkqd,bksd->bkqs", qh[:, :, :, start:end].reshape(b, kv, g * c, hd),
-                        keys[:, :, :end], preferred_element_type=_F32).reshape(b, kv, g, c, end)
+                        keys[:, :, :seen], preferred_element_type=_F32).reshape(b, kv, g, c, seen)
     if cfg.query_pre_attn_scalar:  # Gemma: scaled by query_pre_attn_scalar^-0.5
       scores = scores * cfg.attention_scale
     else:
       scores = scores / math.sqrt(hd)
     scores = softcap(scores, cfg.attn_logit_softcapping)
-    scores = jnp.where(mask[:, None, None, start:end, :end], scores, -1e30)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(b, kv, g * c, end)
-    outs.append(jnp.einsum("bkqs,bksd->bkqd", probs, values[:, :, :end]).reshape(b, kv, g, c, hd))
+    scores = jnp.where(mask[:, None, None, start:end, :seen], scores, -1e30)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(b, kv, g * c, seen)
+    outs.append(jnp.einsum("bkqs,bksd->bkqd", probs, values[:, :, :seen]).reshape(b, kv, g, c, hd))
   out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, kv * g * hd)
 
 
+class PrefixMask(NamedTuple):
+  """The visibility of a batch whose rows share their first `P` tokens, laid out as one flat
+  sequence `[1, P + B * S]`: the prefix once, then each row's `S` remaining tokens (see
+  `Transformer(prefix_length=P)`). `prefix` `[1, P, P]` is the prefix's causal mask; `suffix`
+  `[B, S, P + S]` is each row's suffix queries over the prefix keys then the row's own keys."""
+  prefix: jax.Array
+  suffix: jax.Array
+
+
+def _prefix_shared_attention(q, k, v, mask: PrefixMask, cfg: ModelConfig):
+  """Attention of the flat shared-prefix layout (`PrefixMask`): q `[1, N, H, hd]`, k / v
+  `[1, N, KV, hd]`, `N = P + B * S`. The prefix attends to itself once; every row's suffix attends
+  to the prefix's keys (broadcast, so their cotangents from every row add up) and to its own.
+  Returns `[1, N, H * hd]`."""
+  p, (b, s) = mask.prefix.shape[-1], mask.suffix.shape[:2]
+  _, _, h, hd = q.shape
+  kv = k.shape[2]
+  heads = lambda x: x.transpose(0, 2, 1, 3)  # [rows, KV, T, hd]
+  rows = lambda x: x[0, p:].reshape(b, s, kv, hd)
+  kp, vp = heads(k[:, :p]), heads(v[:, :p])
+  out_p = causal_attention(q[:, :p].reshape(1, p, kv, h // kv, hd), kp, vp, mask.prefix, cfg)
+  shared = lambda x: jnp.broadcast_to(x, (b, kv, p, hd))
+  keys = jnp.concatenate([shared(kp), heads(rows(k))], axis=2)
+  values = jnp.concatenate([shared(vp), heads(rows(v))], axis=2)
+  out_s = causal_attention(q[0, p:].reshape(b, s, kv, h // kv, hd), keys, values, mask.suffix, cfg,
+                           key_offset=p)
+  return jnp.concatenate([out_p[0], out_s.reshape(b * s, h * hd)], axis=0)[None]
+
+
 class Attention(nn.Module):
-  """Causal grouped-query self-attention over whole sequences (`mask [B, T, T]`)."""
+  """Causal grouped-query self-attention over whole sequences (`mask [B, T, T]`), or over the flat
+  shared-prefix layout (`mask` a `PrefixMask`)."""
   config: ModelConfig
 
   @nn.compact
@@ -371,6 +404,9 @@ class Attention(nn.Module):
       q = _norm(cfg, "q_norm")(q)
       k = _norm(cfg, "k_norm")(k)
     q, k = _apply_rope(q, rope), _apply_rope(k, rope)
+    if isinstance(mask, PrefixMask):
+      out = _prefix_shared_attention(q, k, v.reshape(b, t, kv, hd), mask, cfg)
+      return _dense(cfg.hidden_size, ("heads", "embed"), cfg, name="o_proj")(out)
     keys, values = k.transpose(0, 2, 1, 3), v.reshape(b, t, kv, hd).transpose(0, 2, 1, 3)
     out = causal_attention(q.reshape(b, t, kv, h // kv, hd), keys, values, mask, cfg,
                            block=ATTENTION_BLOCK)
@@ -455,7 +491,7 @@ class Block(nn.Module):
     h = _norm(cfg, "input_layernorm")(x)
     if cfg.sliding_window:
       full, window = mask
-      mask = jnp.where(sliding, window, full)
+      mask = jax.tree.map(lambda f, w: jnp.where(sliding, w, f), full, window)
     attn = Attention(cfg, name="self_attn")(h, _layer_rope(rope, cfg, sliding), mask)
     if cfg.sandwich_norms:  # Gemma: norms after attention and around the MLP
       x = x + _norm(cfg, "post_attention_layernorm")(attn)
@@ -511,9 +547,16 @@ class Transformer(nn.Module):
     lengths: `[B]` int number of real tokens at the start of each row (right padding); default `T`.
       Padding tokens never act as keys, whatever their id.
     compute_logits: also return float32 `[B, T, V]` logits.
+    prefix_length: `P > 0` when every row's first `P` tokens and positions are the same and real
+      (a shared system prompt): the prefix is computed once, as a flat sequence `[1, P + B * S]`
+      (`PrefixMask`), and every row's other `S = T - P` tokens attend to its keys, so the forward
+      and backward passes cost `P + B * S` tokens instead of `B * T` and the gradient is the same
+      (the prefix's cotangents from every row add up). Static; 0 < P < T; not for
+      mixture-of-experts models. The outputs then cover positions `P - 1 .. T - 1` only.
 
   Returns:
-    `DecoderOutput(hidden, logits, cache=None)`.
+    `DecoderOutput(hidden, logits, cache=None)`: `[B, T, ...]`, or `[B, T - P + 1, ...]` (positions
+    `P - 1 .. T - 1`) with a `prefix_length`.
   """
   config: ModelConfig
 
@@ -535,12 +578,14 @@ class Transformer(nn.Module):
       self.lm_head = _dense(cfg.vocab_size, ("embed", "vocab"), cfg)
 
   def __call__(self, tokens, positions=None, lengths=None, compute_logits: bool = True,
-               routing=None) -> DecoderOutput:
+               routing=None, prefix_length: int = 0) -> DecoderOutput:
     b, t = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     if lengths is None:
       lengths = jnp.full((b,), t, jnp.int32)
+    if prefix_length:
+      return self._shared_prefix(tokens, positions, lengths, compute_logits, prefix_length)
     mask, _, _ = _attention_mask(jnp.zeros((b,), jnp.int32), lengths, t,
                                  jnp.arange(t, dtype=jnp.int32))
     x = _embed(self.embed_tokens(tokens), self.config)
@@ -559,6 +604,37 @@ class Transformer(nn.Module):
     return DecoderOutput(hidden=hidden, logits=logits, cache=None,
                          routing=jnp.moveaxis(experts, 0, 2),
                          aux_loss=load_balancing_loss(experts, probs, real, self.config.num_experts))
+
+  def _shared_prefix(self, tokens, positions, lengths, compute_logits, p: int) -> DecoderOutput:
+    """`__call__` with `prefix_length=p`: the flat layout `[prefix, row 0's suffix, row 1's, ...]`
+    through the same layers (every op but attention is per token; attention reads `PrefixMask`)."""
+    cfg = self.config
+    b, t = tokens.shape
+    if cfg.num_experts:
+      raise ValueError("prefix_length: not for mixture-of-experts models (routing is per row).")
+    if not 0 < p < t:
+      raise ValueError(f"prefix_length must be in (0, {t}) for {t}-token rows, got {p}.")
+    s = t - p
+    flat = lambda x: jnp.concatenate([x[0, :p], x[:, p:].reshape(b * s)])[None]
+    prefix_slots, keys = jnp.arange(p, dtype=jnp.int32), jnp.arange(p + s, dtype=jnp.int32)
+    query_slots = p + jnp.arange(s, dtype=jnp.int32)[None, :]
+    prefix = (prefix_slots[None, :] <= prefix_slots[:, None])[None]
+    suffix = ((keys[None, None, :] <= query_slots[:, :, None])
+              & (keys[None, None, :] < lengths.astype(jnp.int32)[:, None, None]))
+    mask = PrefixMask(prefix, jnp.broadcast_to(suffix, (b, s, p + s)))
+    if cfg.sliding_window:
+      w = cfg.sliding_window
+      mask = (mask, PrefixMask(_window(prefix, prefix_slots[None, :], prefix_slots, w),
+                               _window(mask.suffix, query_slots, keys, w)))
+    x = _embed(self.embed_tokens(flat(tokens)), cfg)
+    sliding = jnp.asarray(cfg.sliding_layers)
+    x, _ = self.layers(x, (None, sliding), rope_tables(flat(positions), cfg), mask)
+    hidden = self.norm(x)[0]  # [P + B * S, D]
+    d = hidden.shape[-1]
+    hidden = jnp.concatenate([jnp.broadcast_to(hidden[p - 1], (b, 1, d)),
+                              hidden[p:].reshape(b, s, d)], axis=1)
+    return DecoderOutput(hidden=hidden, logits=self.logits(hidden) if compute_logits else None,
+                         cache=None)
 
   def logits(self, hidden):
     """float32 `[..., V]` logits of final-normed hidden states."""

@@ -163,6 +163,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check_off_policy(config)
   _check_context(config)
   _check_replay(config)
+  _check_share_prefix(config)
   return config
 
 
@@ -344,6 +345,23 @@ def _check_replay(config):
     _fail("optim.minibatches", config.optim.minibatches,
           f"a divisor of (rollout.num_tasks + store.replay_groups) * rollout.group_size = {rows} "
           f"(the update's rows with the replayed groups)")
+
+
+def _check_share_prefix(config):
+  """`optim.share_prefix`: the flat shared-prefix layout is built for one device's dense policy."""
+  n = config.optim.get("share_prefix", 0)
+  if not n:
+    return
+  a, mesh = config.algorithm, config.mesh
+  refusals = (
+      ("model.moe.num_experts", config.model.moe.num_experts, config.model.moe.num_experts,
+       "0 (routing is per row)"),
+      ("algorithm.critic", a.critic, ALGORITHMS[a.name].needs_critic and a.critic == "shared",
+       "'separate' (the shared critic's values are read at every position)"),
+      ("mesh.data", mesh.data, mesh.data * mesh.fsdp * mesh.tensor > 1,
+       "1 (with mesh.fsdp = mesh.tensor = 1: the flat layout is one row, not split over devices)"),
+  )
+  _refuse(refusals, f"optim.share_prefix={n}")
 
 
 def _check_context(config):

@@ -457,11 +457,13 @@ class Learner:
         row_scale = np.concatenate([fresh_scale, np.asarray(extra_scale, np.float32)])
         rows = jax.tree.map(lambda a, b: np.concatenate([np.asarray(a), np.asarray(b)]), rows,
                             extra_rows)
-      db = to_device(self.trimmed(rows))
+      rows = self.trimmed(rows)
+      prefix = episode_lib.shared_prefix_length(rows, self.optim.share_prefix)
+      db = to_device(rows)
       if self.mesh is not None:  # data-parallel inputs: rows split over (data, fsdp)
         db = sharding.shard_batch(db, self.mesh, _mesh_rules(self.config))
       inputs = self.learn_inputs(state, db, row_scale)
-      state, m = self.update(state, db, inputs)
+      state, m = self.update(state, db, inputs, prefix)
       m = jax.device_get(m)
     metrics = {k: float(np.asarray(v)) for k, v in m.items()}
     metrics.update(episode_metrics(batch, np.asarray(inputs.row_weight)[:batch.batch_size]))
@@ -541,26 +543,29 @@ class Learner:
     return LearnInputs(adv.advantages, adv.returns, row_weight, old_logp, ref_logp, values,
                        token_weight)
 
-  def update(self, state: TrainState, db, inputs: LearnInputs):
+  def update(self, state: TrainState, db, inputs: LearnInputs, prefix_length: int = 0):
     """The jitted update on the device batch `db` with its `inputs` (`learn_inputs`): `(state,
-    metrics)`, `state` donated."""
-    return self.update_fn(state, db, inputs)(state, db, inputs)
+    metrics)`, `state` donated. `prefix_length`: the batch's shared prefix
+    (`episode.shared_prefix_length`, with `optim.share_prefix`), computed once per minibatch."""
+    return self.update_fn(state, db, inputs, prefix_length)(state, db, inputs)
 
-  def update_fn(self, state, db, inputs):
-    """The jitted update function for these arguments' layout (one per learner; on a mesh, one per
-    input layout, which it takes as its explicit in/out shardings)."""
+  def update_fn(self, state, db, inputs, prefix_length: int = 0):
+    """The jitted update function for these arguments' layout and shared-prefix length (one per
+    learner and length; on a mesh, one per input layout, which it takes as its explicit in/out
+    shardings)."""
     layout = None
     if self.mesh is not None:
       replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
       layout = (*(jax.tree.map(lambda x: x.sharding, t) for t in (state, db, inputs)), replicated)
-    cache_key = None if layout is None else (jax.tree.structure(layout), *jax.tree.leaves(layout))
+    cache_key = (prefix_length, None if layout is None else (jax.tree.structure(layout),
+                                                             *jax.tree.leaves(layout)))
     if cache_key not in self._jitted:
       self._jitted[cache_key] = jit_rl_update(
           config=self.model_config, optimizer=self.optimizer,
           critic_optimizer=self.critic_optimizer, loss=self.loss,
           temperature=self.rollout.temperature, epochs=self.optim.epochs,
           minibatches=self.optim.minibatches, shardings=layout,
-          shared_critic=self.shared_critic)
+          shared_critic=self.shared_critic, prefix_length=prefix_length)
     return self._jitted[cache_key]
 
   # ---------------------------------------------------------------------- warm start, evaluation
@@ -597,13 +602,16 @@ class Learner:
     rows = episode_lib.join_segments(batch, segments)
     if segments is not None:  # segment rows past an episode's last hold nothing to train on
       rows = episode_lib.without_empty_segments(rows, batch.batch_size, c.sft.minibatches)
-    batch = to_device(self.trimmed(rows))
+    rows = self.trimmed(rows)
+    prefix = episode_lib.shared_prefix_length(rows, self.optim.share_prefix)
+    batch = to_device(rows)
     sft_opt = make_optimizer(c.sft.learning_rate, max_grad_norm=self.optim.max_grad_norm)
     sft_state = state.replace(opt_state=self.init_opt_state(state.params, sft_opt))
     metrics, start, every = {}, time.perf_counter(), max(1, c.sft.steps // 5)
     for step in range(1, c.sft.steps + 1):
       sft_state, metrics = sft_update(sft_state, batch, config=self.model_config,
-                                      optimizer=sft_opt, minibatches=c.sft.minibatches)
+                                      optimizer=sft_opt, minibatches=c.sft.minibatches,
+                                      prefix_length=prefix)
       # One step in flight: on a multi-device mesh the CPU client deadlocks once a device has 32
       # queued computations with collectives (BUILD_NOTES.md, issue 15, "sharded SFT deadlock").
       jax.block_until_ready(sft_state)

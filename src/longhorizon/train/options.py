@@ -320,6 +320,12 @@ class OptimOptions(Options):
   # rollout.context_length that holds their longest episode (at most this many compiled shapes of
   # each step; padding is most of a batch when episodes are short). 0 = always the full length.
   length_buckets: int = option(4, range=NON_NEGATIVE_INT)
+  # N > 0: the tokens every row of an SFT or RL batch shares (a system prompt and tool schemas, up
+  # to the first trained token), rounded down to a multiple of N, go through the model once for the
+  # whole batch instead of once per row (`Transformer(prefix_length=...)`: the same loss and
+  # gradient up to float rounding; one compilation per distinct length). Dense models only; no
+  # shared critic. 0 = off.
+  share_prefix: int = option(0, range=NON_NEGATIVE_INT)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -89,10 +89,12 @@ def make_optimizer(learning_rate: float, *, warmup_steps: int = 0, total_steps: 
   return optax.chain(*parts)
 
 
-def _forward(params, config: ModelConfig, batch, *, dropout_rng=None, value_head=None):
+def _forward(params, config: ModelConfig, batch, *, dropout_rng=None, value_head=None,
+             prefix_length: int = 0):
   """`(DecoderOutput, values)` of the policy on `batch`: `Transformer(config)`, or with
   `value_head` (a shared critic's head parameters) the family's `PolicyWithValue` over `params` as
-  its trunk, whose `[B, L]` values come from the same pass (else `values` is None)."""
+  its trunk, whose `[B, L]` values come from the same pass (else `values` is None).
+  `prefix_length`: the rows' shared prefix, computed once (`Transformer`; no `value_head`)."""
   tokens = jnp.asarray(batch.tokens)
   lengths = jnp.asarray(batch.attention_mask).sum(-1).astype(jnp.int32)
   rngs = {"dropout": dropout_rng} if dropout_rng is not None and config.lora_dropout else None
@@ -100,7 +102,9 @@ def _forward(params, config: ModelConfig, batch, *, dropout_rng=None, value_head
   args = (tokens, jnp.asarray(batch.positions), lengths)
   if value_head is None:
     return Transformer(config).apply({"params": params}, *args, compute_logits=False, rngs=rngs,
-                                     routing=routing), None
+                                     routing=routing, prefix_length=prefix_length), None
+  if prefix_length:
+    raise ValueError("prefix_length: not with a shared critic's value head.")
   return PolicyWithValue(config).apply({"params": {"trunk": params, "value_head": value_head}},
                                        *args, compute_logits=False, rngs=rngs, routing=routing)
 
@@ -112,8 +116,13 @@ def _shift(x):
 
 
 def episode_logprobs(params, config: ModelConfig, batch, *, temperature=1.0, chunk_size=4096,
-                     return_entropy=False, dropout_rng=None, return_aux=False, value_head=None):
+                     return_entropy=False, dropout_rng=None, return_aux=False, value_head=None,
+                     prefix_length: int = 0):
   """`[B, L]` log-probs of each token given its prefix (0 at position 0), optionally entropies.
+
+  `prefix_length` `P > 0` (static): every row's first `P` tokens and positions are the same (see
+  `shared_prefix_length`); they go through the model once, and only tokens `P..L-1` are scored
+  (log-probs and entropies 0 before them, where no loss may read them).
 
   Token `t` is scored from the hidden state at `t - 1`; rows are right-padded (`attention_mask`).
   `dropout_rng` turns on LoRA adapter dropout (`ModelConfig.lora_dropout`; training losses only).
@@ -122,13 +131,15 @@ def episode_logprobs(params, config: ModelConfig, batch, *, temperature=1.0, chu
   `value_head` (the shared critic's head parameters) appends the `[B, L]` values of that head on
   the same pass's final hidden states, aligned as `critic_values` aligns them."""
   tokens = jnp.asarray(batch.tokens)
-  out, values = _forward(params, config, batch, dropout_rng=dropout_rng, value_head=value_head)
-  res = lp.token_logprobs_from_hidden(out.hidden[:, :-1], unembedding(params, config),
-                                      tokens[:, 1:], chunk_size=min(chunk_size, config.vocab_size),
-                                      temperature=temperature, return_entropy=return_entropy,
-                                      vocab_axis=0 if config.tie_word_embeddings else 1,
-                                      softcap=config.final_logit_softcapping)
-  pad = lambda x: jnp.pad(x, ((0, 0), (1, 0)))
+  out, values = _forward(params, config, batch, dropout_rng=dropout_rng, value_head=value_head,
+                         prefix_length=prefix_length)
+  first = max(prefix_length, 1)  # the first token scored; `out.hidden` starts at `first - 1`
+  res = lp.token_logprobs_from_hidden(
+      out.hidden[:, :-1], unembedding(params, config), tokens[:, first:],
+      chunk_size=min(chunk_size, config.vocab_size), temperature=temperature,
+      return_entropy=return_entropy, vocab_axis=0 if config.tie_word_embeddings else 1,
+      softcap=config.final_logit_softcapping)
+  pad = lambda x: jnp.pad(x, ((0, 0), (first, 0)))
   res = (pad(res[0]), pad(res[1])) if return_entropy else (pad(res),)
   if return_aux:
     res = (*res, jnp.zeros((), jnp.float32) if out.aux_loss is None else out.aux_loss)
@@ -201,14 +212,14 @@ def _prepare(batch: EpisodeBatch, x: LearnInputs, loss: LossOptions) -> dict:
 
 
 def _policy_loss(trainable, frozen, mb, *, config: ModelConfig, loss: LossOptions,
-                 temperature: float, value_head=None):
+                 temperature: float, value_head=None, prefix_length: int = 0):
   """The minibatch's policy loss (plus KL, entropy and MoE terms) and its metrics; with
   `value_head` (the shared critic) also `value_coef` times the value loss of that head on the same
   pass's hidden states, so the value gradient reaches the trunk's trainable parameters."""
   logp, ent, aux, *values = episode_logprobs(
       lora.combine(trainable, frozen), config, mb["batch"], temperature=temperature,
       chunk_size=loss.chunk_size, return_entropy=True, dropout_rng=mb["dropout_rng"],
-      return_aux=True, value_head=value_head)
+      return_aux=True, value_head=value_head, prefix_length=prefix_length)
   value, metrics = loss.spec.fn(logp, mb["old_logp"], mb["adv"], mb["mask"], mb["is_weights"], loss)
   metrics = dict(metrics, policy_loss=value, entropy=losses.masked_mean(ent, mb["mask"]))
   if config.num_experts:  # MoE: the load-balancing loss, over every real token of the minibatch
@@ -241,14 +252,15 @@ def _critic_loss(critic_params, mb, *, config: ModelConfig, loss: LossOptions):
 
 
 def _minibatch_step(state: TrainState, mb, *, config, optimizer, critic_optimizer, loss,
-                    temperature, shared_critic=False):
+                    temperature, shared_critic=False, prefix_length=0):
   """One optimiser step (policy, and critic if any) on minibatch `mb`; skipped if not finite.
 
   A separate critic is a second loss and step (skipped on its own if not finite). A shared one
   (`shared_critic`) is one loss over `(trainable policy parameters, value head)`: `optimizer`
   steps the policy part (its global-norm clip sees the value gradient too), `critic_optimizer`
   the head, both skipped together."""
-  policy = functools.partial(_policy_loss, config=config, loss=loss, temperature=temperature)
+  policy = functools.partial(_policy_loss, config=config, loss=loss, temperature=temperature,
+                             prefix_length=prefix_length)
   trainable, frozen = lora.partition(state.params, config)
   critic_params, critic_opt = state.critic_params, state.critic_opt_state
   if shared_critic:
@@ -284,13 +296,15 @@ def _minibatch_step(state: TrainState, mb, *, config, optimizer, critic_optimize
 
 def rl_update(state: TrainState, batch: EpisodeBatch, inputs: LearnInputs, *, config: ModelConfig,
               optimizer, critic_optimizer, loss: LossOptions, temperature: float = 1.0,
-              epochs: int = 1, minibatches: int = 1, shared_critic: bool = False):
+              epochs: int = 1, minibatches: int = 1, shared_critic: bool = False,
+              prefix_length: int = 0):
   """Runs `epochs x minibatches` optimiser steps on one batch; returns `(state, metrics)`.
 
   `inputs` holds the advantages, row weights and log-probs of the batch (see `LearnInputs`);
   `temperature` is the sampling temperature (log-probs are of the sampled distribution).
   `shared_critic`: `state.critic_params` is a value head on the policy's trunk (see
-  `_minibatch_step`; `critic_optimizer` steps it), not a separate `Critic`. Not jitted:
+  `_minibatch_step`; `critic_optimizer` steps it), not a separate `Critic`. `prefix_length`: the
+  batch's shared prefix (`shared_prefix_length`), computed once per minibatch. Not jitted:
   `jit_rl_update` closes it over its static arguments.
   """
   if shared_critic and critic_optimizer is None:
@@ -301,7 +315,7 @@ def rl_update(state: TrainState, batch: EpisodeBatch, inputs: LearnInputs, *, co
   data = _prepare(batch, inputs, loss)
   step = functools.partial(_minibatch_step, config=config, optimizer=optimizer,
                            critic_optimizer=critic_optimizer, loss=loss, temperature=temperature,
-                           shared_critic=shared_critic)
+                           shared_critic=shared_critic, prefix_length=prefix_length)
   rng, perm_key = jax.random.split(state.rng)
   keys = jax.random.split(perm_key, epochs)
   order = jnp.concatenate([jax.random.permutation(k, b) for k in keys]).reshape(-1, b // minibatches)
@@ -334,7 +348,7 @@ def _dropout_keys(key, steps: int, config: ModelConfig):
 
 def jit_rl_update(*, config: ModelConfig, optimizer, critic_optimizer, loss: LossOptions,
                   temperature: float = 1.0, epochs: int = 1, minibatches: int = 1,
-                  shardings=None, shared_critic: bool = False):
+                  shardings=None, shared_critic: bool = False, prefix_length: int = 0):
   """`rl_update` jitted with its static arguments closed over: `(state, batch, inputs) -> (state,
   metrics)`, the state donated. `shardings`, if given, is the `(state, batch, inputs, metrics)`
   shardings (each a `jax.sharding.Sharding` or a pytree of them): the first three are the update's
@@ -342,7 +356,8 @@ def jit_rl_update(*, config: ModelConfig, optimizer, critic_optimizer, loss: Los
   than inferred and the state comes back laid out as it went in."""
   fn = functools.partial(rl_update, config=config, optimizer=optimizer,
                          critic_optimizer=critic_optimizer, loss=loss, temperature=temperature,
-                         epochs=epochs, minibatches=minibatches, shared_critic=shared_critic)
+                         epochs=epochs, minibatches=minibatches, shared_critic=shared_critic,
+                         prefix_length=prefix_length)
   if shardings is None:
     return jax.jit(fn, donate_argnums=0)
   state, batch, inputs, metrics = shardings
@@ -350,17 +365,20 @@ def jit_rl_update(*, config: ModelConfig, optimizer, critic_optimizer, loss: Los
                  out_shardings=(state, metrics))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "optimizer", "minibatches"),
+@functools.partial(jax.jit, static_argnames=("config", "optimizer", "minibatches",
+                                             "prefix_length"),
                    donate_argnames=("state",))
 def sft_update(state: TrainState, batch: EpisodeBatch, *, config: ModelConfig, optimizer,
-               minibatches: int = 1):
+               minibatches: int = 1, prefix_length: int = 0):
   """Supervised fine-tuning on (oracle) episodes: token-mean negative log-likelihood of the
-  loss-mask tokens, the same masks the RL loss uses. Returns `(state, metrics)`."""
+  loss-mask tokens, the same masks the RL loss uses. Returns `(state, metrics)`. `prefix_length`:
+  the batch's shared prefix (`shared_prefix_length`), computed once per minibatch."""
   b = batch.tokens.shape[0]
   mask = jnp.asarray(batch.loss_mask, jnp.float32)
 
   def loss_fn(trainable, frozen, mb, mb_mask, dropout_rng):
-    logp = episode_logprobs(lora.combine(trainable, frozen), config, mb, dropout_rng=dropout_rng)
+    logp = episode_logprobs(lora.combine(trainable, frozen), config, mb, dropout_rng=dropout_rng,
+                            prefix_length=prefix_length)
     nll = -losses.masked_mean(logp, mb_mask)
     return nll, {"sft_nll": nll, "sft_token_accuracy": losses.masked_mean(
         (logp > jnp.log(0.5)).astype(jnp.float32), mb_mask)}

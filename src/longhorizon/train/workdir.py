@@ -45,12 +45,12 @@ LOCK_FILE = ".lock"
 # (start another run with `--init_from` to branch off with other settings).
 MUTABLE = ("num_updates", "eval.", "progress", "tensorboard", "checkpoint_every", "keep_checkpoints",
            "alarm.", "mesh.", "tasks.data_dir", "rollout.num_actors", "rollout.queue_size",
-           "model.remat", "store.")  # keeping trajectories changes no update
+           "model.remat", "optim.share_prefix", "store.")  # these change no update beyond rounding
 
 # Fields added after workdirs were made, with the value that reproduces how runs behaved before
 # them: a saved config without such a field resumes when the new value is this one.
 ADDED_FIELDS: dict[str, Any] = {
-    "model.decode_quant": "none", "model.remat": "none", "eval.greedy": True,
+    "model.decode_quant": "none", "model.remat": "none", "eval.greedy": True, "optim.share_prefix": 0,
     "model.lora.rank": 0, "model.lora.alpha": 16.0, "model.lora.dropout": 0.0,
     "model.lora.targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                            "down_proj"],
