@@ -93,6 +93,9 @@ def get_config(arg=None):
   config.sweep.textworld = ()  # quest lengths (variant "textworld"; needs the [textworld] extra)
   config.sweep.algorithms = ALGORITHMS
   config.sweep.seeds = (0, 1, 2)
+  # Save each cell's warm start (and its evaluation) under OUT/warm_starts/ and read it back on
+  # resume, so a cell finished in another session, on another CPU, starts from the same parameters.
+  config.sweep.keep_warm_starts = False
   if variant == "accelerator":
     config.model.hidden_size = 256
     config.model.num_hidden_layers = 4
@@ -156,6 +159,7 @@ def get_config(arg=None):
     config.sweep.gridworld = (8,)
     config.sweep.algorithms = CREDIT_STUDY
     config.sweep.seeds = (0, 1, 2, 3, 4)
+    config.sweep.keep_warm_starts = True  # a seed's ten runs span sessions (and machines)
   elif variant == "smoke":
     config.num_updates = 2
     config.rollout.num_tasks = 4

@@ -79,7 +79,8 @@ def main(argv):
                "jax": jax.__version__, "cpus": os.cpu_count(), "provenance": provenance.provenance()}
     _record_session(out, config, session)
     horizon.run_sweep(config, cells, list(config.sweep.algorithms), out,
-                      log=lambda line: print(line, flush=True))
+                      log=lambda line: print(line, flush=True),
+                      keep_warm_starts=config.sweep.get("keep_warm_starts", False))
     session["wall_s"] = round(time.perf_counter() - started, 1)
     _record_session(out, config, session)
   paths = horizon.plot_all(out)

@@ -1,4 +1,5 @@
-r"""What the RL update's options buy: length buckets, LoRA against full fine-tuning, bf16 compute.
+r"""What the RL update's options buy: length buckets, a shared prefix, LoRA against full fine-tuning,
+bf16 compute.
 
   python experiments/benchmarks/update_variants.py --out=results/update_variants.json
   python experiments/benchmarks/update_variants.py --smollm2     # SmolLM2-135M shapes, random weights
@@ -14,6 +15,10 @@ both alike:
   did before `optim.length_buckets`); variant: the same batch cut by `Learner.trimmed`'s rule
   (`episode.bucket_length` with `--buckets` buckets, then `episode.trim`). The losses are checked
   equal (Dr.GRPO's constant is `loss.norm_length`, not the batch's width).
+* **shared prefix** (`optim.share_prefix`): every row's first `--shared` of the context is the
+  same prompt (a system prompt and tool schemas; nothing trained there). Baseline: the per-row
+  update; variant: the same batch with that prefix computed once (`Transformer(prefix_length=P)`,
+  `P = episode.shared_prefix_length(batch, 64)`). The losses are checked equal.
 * **LoRA**: baseline full fine-tuning (AdamW over every parameter); variant rank `--lora_rank`
   adapters on every projection (AdamW over the adapters; the base frozen). Same float32 compute.
 * **bf16**: baseline float32 compute; variant bf16 compute with float32 master weights and float32
@@ -52,7 +57,10 @@ from longhorizon.train.update import (LearnInputs, TrainState, episode_logprobs,
 _USED = flags.DEFINE_float("used", 0.5, "Share of the context the longest episode fills.")
 _BUCKETS = flags.DEFINE_integer("buckets", 4, "optim.length_buckets of the bucket row.")
 _LORA_RANK = flags.DEFINE_integer("lora_rank", 16, "Adapter rank of the LoRA row.")
-_ROWS = flags.DEFINE_list("rows", ["buckets", "lora", "bf16"], "Which comparisons to run.")
+_SHARED = flags.DEFINE_float("shared", 0.53, "Share of the context all rows share in the prefix "
+                             "row (SmolLM2 on calculator: ~440 of ~830 tokens).")
+_ROWS = flags.DEFINE_list("rows", ["buckets", "prefix", "lora", "bf16"],
+                          "Which comparisons to run.")
 _SMOLLM2 = flags.DEFINE_bool("smollm2", False, "SmolLM2-135M shapes (D=576, 30 layers, 9/3 heads, "
                              "F=1536, V=49152), random weights; B=4, L=832 unless given.")
 FLAGS = flags.FLAGS
@@ -92,7 +100,7 @@ def padded_batch(shape: Shape, used: int, rng) -> episode_lib.EpisodeBatch:
 class Update:
   """One variant's compiled update, its inputs, and a fresh state per call (the state is donated)."""
 
-  def __init__(self, config, params, batch, seed: int):
+  def __init__(self, config, params, batch, seed: int, prefix_length: int = 0):
     self.config, self.batch = config, episode_lib.to_device(batch)
     self.optimizer = make_optimizer(1e-4)
     logp = jax.jit(episode_logprobs, static_argnames=("config",))(params, config, self.batch)
@@ -111,7 +119,7 @@ class Update:
     loss = LossOptions(agg="token-mean", chunk_size=4096)
     start = time.perf_counter()
     self.fn = jit_rl_update(config=config, optimizer=self.optimizer, critic_optimizer=None,
-                            loss=loss).lower(self.state0, self.batch, self.inputs).compile()
+                            loss=loss, prefix_length=prefix_length).lower(self.state0, self.batch, self.inputs).compile()
     self.compile_s = time.perf_counter() - start
     self.loss = self()[1]  # warm-up (first-run allocations); keeps the first update's loss
 
@@ -165,6 +173,16 @@ def run_rows(shape: Shape, rows, repeats: int, seed: int) -> dict:
                              Update(config, params, episode_lib.trim(batch, cut), seed), repeats)
     out["buckets"].update(used=used, bucket=cut, length=shape.length)
   full = synthetic_batch(shape, rng)
+  if "prefix" in rows:
+    shared = int(round(_SHARED.value * shape.length))
+    tokens, loss = np.array(full.tokens), np.array(full.loss_mask)
+    tokens[:, :shared] = tokens[:1, :shared]
+    loss[:, :shared] = False  # the shared part is prompt
+    batch = full.replace(tokens=tokens, loss_mask=loss)
+    p = episode_lib.shared_prefix_length(batch, 64 if shape.length >= 256 else 8)
+    out["prefix"] = compare(Update(config, params, batch, seed),
+                            Update(config, params, batch, seed, prefix_length=p), repeats)
+    out["prefix"].update(shared=shared, prefix=p, length=shape.length)
   if "lora" in rows:
     lcfg = dataclasses.replace(config, lora_rank=_LORA_RANK.value, lora_alpha=2.0 * _LORA_RANK.value)
     lparams = lora.add_adapters(params, lcfg, jax.random.key(seed + 7))
@@ -184,6 +202,10 @@ def table(shape: Shape, results: dict) -> list[dict]:
   if "buckets" in results:
     r = results["buckets"]
     rows.append(dict(name=f"length buckets ({r['used']}/{r['length']} used -> {r['bucket']})",
+                     base=r["base_s"], variant=r["variant_s"], speedup=r["speedup"]))
+  if "prefix" in results:
+    r = results["prefix"]
+    rows.append(dict(name=f"shared prefix ({r['prefix']} of {r['length']} once)",
                      base=r["base_s"], variant=r["variant_s"], speedup=r["speedup"]))
   if "lora" in results:
     r = results["lora"]
@@ -212,15 +234,17 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   shape = _shape()
   repeats = 2 if FLAGS.smoke else FLAGS.repeats if FLAGS["repeats"].present else 3
-  unknown = set(_ROWS.value) - {"buckets", "lora", "bf16"}
+  unknown = set(_ROWS.value) - {"buckets", "prefix", "lora", "bf16"}
   if unknown:
-    raise app.UsageError(f"--rows: unknown {sorted(unknown)}; choose from buckets, lora, bf16.")
+    raise app.UsageError(f"--rows: unknown {sorted(unknown)}; choose from buckets, prefix, lora, "
+                         f"bf16.")
   results = run_rows(shape, _ROWS.value, repeats, FLAGS.seed)
   rows = table(shape, results)
-  if "buckets" in results:
-    losses = results["buckets"]["loss"]
-    if not np.isclose(losses["base"], losses["variant"], rtol=1e-4, atol=1e-6):
-      raise RuntimeError(f"the trimmed batch's loss differs from the padded one's: {losses}")
+  for name, what in (("buckets", "the trimmed batch's loss differs from the padded one's"),
+                     ("prefix", "the shared-prefix update's loss differs from the per-row one's")):
+    losses = results.get(name, {}).get("loss")
+    if losses and not np.isclose(losses["base"], losses["variant"], rtol=1e-4, atol=1e-6):
+      raise RuntimeError(f"{what}: {losses}")
   if FLAGS.out:
     path = results_io.write_json(FLAGS.out, {
         "rows": rows, "results": results, "shape": dataclasses.asdict(shape),

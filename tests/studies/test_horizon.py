@@ -2,6 +2,7 @@
 an end-to-end smoke sweep that resumes."""
 
 import importlib.util
+import json
 import math
 import os
 import pathlib
@@ -192,3 +193,51 @@ def test_committed_smoke_cell_reproduces_exactly(tmp_path):
   want, got = read(REFERENCE / "results.csv"), read(tmp_path / "results.csv")
   assert [r["algorithm"] for r in want] == ["grpo", "gigpo"]
   assert got == want, "the cell's numbers changed: see experiments/results/horizon_sweep_smoke_reference/README.md"
+
+
+@pytest.mark.slow
+def test_kept_warm_start_is_read_back_and_checked(tmp_path):
+  """`keep_warm_starts`: the cell's warm start and its evaluation are saved, a resumed cell reads
+  them back (the same parameters, not a recomputation: planted parameters come back as planted),
+  and a file of other settings or a corrupt one is refused with its name."""
+  config = _config("smoke")
+  cell = horizon.Cell("pointer_chain", 2, 0)
+  lines = []
+  horizon.run_sweep(config, [cell], ["grpo"], str(tmp_path), log=lines.append,
+                    keep_warm_starts=True)
+  warm_dir = str(tmp_path / "warm_starts")
+  path = horizon.warm_start_path(warm_dir, cell)
+  assert os.path.exists(path + ".npz") and not any("read from" in line for line in lines)
+  info = json.loads(open(path + ".json").read())
+  row = horizon.read_results(str(tmp_path))[0][0]
+  assert info["warm"]["success"] == row["warm_success"]
+  assert info["warm_step_accuracy"] == row["warm_step_accuracy"]
+  assert info["provenance"]["packages"]["jax"] == jax.__version__
+
+  saved = dict(np.load(path + ".npz"))
+  planted = {k: v + 1.0 for k, v in saved.items()}
+  np.savez(path + ".npz", **planted)
+  learner, params, got = horizon._warm_start(config, cell, "grpo", {}, warm_dir)
+  assert got["warm"] == info["warm"]
+  flat = {jax.tree_util.keystr(k): np.asarray(v)
+          for k, v in jax.tree_util.tree_leaves_with_path(params)}
+  assert flat.keys() == planted.keys()
+  for k in flat:
+    np.testing.assert_array_equal(flat[k], planted[k])
+
+  lines.clear()  # a resumed cell logs where its warm start came from and keeps its warm numbers
+  rows = horizon.run_sweep(config, [cell], ["grpo", "gigpo"], str(tmp_path), log=lines.append,
+                           keep_warm_starts=True)
+  assert any("read from" in line for line in lines)
+  assert rows[1]["warm_success"] == row["warm_success"]
+
+  other = horizon.cell_config(config, "pointer_chain", 2, "grpo", 0)
+  other.unlock()
+  other.sft.steps += 1
+  assert horizon.warm_fingerprint(other) != info["fingerprint"]
+  with pytest.raises(ValueError, match=r"pointer_chain_N2_s0.json: a warm start of other settings"):
+    horizon.load_warm_start(path, learner.initial_state().params, horizon.warm_fingerprint(other))
+  data = open(path + ".npz", "rb").read()
+  open(path + ".npz", "wb").write(data[:len(data) // 2])
+  with pytest.raises(ValueError, match=r"pointer_chain_N2_s0.npz: unreadable warm start"):
+    horizon.load_warm_start(path, learner.initial_state().params, info["fingerprint"])

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import csv
 import dataclasses
+import hashlib
 import io
 import json
 import math
@@ -37,14 +38,16 @@ from longhorizon import envs
 from longhorizon import rollout
 from longhorizon.core.episode import to_device
 from longhorizon.envs import tasks as task_suites
+from longhorizon.eval import provenance
 from longhorizon.models import init_params
 from longhorizon.train import config as config_lib
 from longhorizon.train import learner as learner_lib
 from longhorizon.train.learner import Learner
 from longhorizon.train.metrics import Timer
 
-__all__ = ["ALGORITHMS", "Cell", "actions_needed", "cell_config", "step_probabilities", "step_accuracy", "run_cell",
-           "run_sweep", "read_results", "summarize", "plot_success_vs_horizon",
+__all__ = ["ALGORITHMS", "Cell", "actions_needed", "cell_config", "step_probabilities",
+           "step_accuracy", "run_cell", "run_sweep", "warm_fingerprint", "save_warm_start",
+           "load_warm_start", "read_results", "summarize", "plot_success_vs_horizon",
            "plot_learning_curves", "plot_sample_efficiency", "plot_all", "markdown_table"]
 
 # Label -> config overrides. Every run shares all other hyperparameters (none is tuned per method).
@@ -196,9 +199,76 @@ def _oracle_episodes(learner: Learner):
   return oracle, float(np.mean(np.asarray(difficulty)))
 
 
-def _warm_start(base, cell: Cell, algorithm: str, setups: dict) -> tuple[Learner, Any]:
-  """The cell's learner (environment, tasks and codec shared by every seed of an `(env, N)`) and
-  its SFT warm-start parameters."""
+# Config fields that do not change a cell's warm-start parameters (nor its warm evaluation's
+# meaning): left out of the warm-start file's fingerprint.
+_NOT_IN_WARM_FINGERPRINT = ("num_updates", "progress", "tensorboard", "sweep", "tasks.data_dir")
+
+
+def warm_fingerprint(config) -> str:
+  """A hash of the settings a warm start depends on (the cell's config less
+  `_NOT_IN_WARM_FINGERPRINT`)."""
+  flat = dict(_flatten(config.to_dict()))
+  for key in list(flat):
+    if any(key == k or key.startswith(k + ".") for k in _NOT_IN_WARM_FINGERPRINT):
+      del flat[key]
+  return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _flatten(tree: dict, prefix: str = ""):
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      yield from _flatten(value, f"{prefix}{key}.")
+    else:
+      yield f"{prefix}{key}", value
+
+
+def warm_start_path(warm_dir: str, cell: Cell) -> str:
+  return os.path.join(warm_dir, f"{cell.env}_N{cell.horizon}_s{cell.seed}")
+
+
+def save_warm_start(path: str, params, fingerprint: str, info: dict) -> None:
+  """`path.npz` (the parameters, one array per tree path) and `path.json` (`fingerprint`, `info`),
+  each written to a temporary name and renamed, so a killed sweep never leaves half a file."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  arrays = {jax.tree_util.keystr(k): np.asarray(v)
+            for k, v in jax.tree_util.tree_leaves_with_path(params)}
+  with open(path + ".npz.tmp", "wb") as f:
+    np.savez(f, **arrays)
+  os.replace(path + ".npz.tmp", path + ".npz")
+  with open(path + ".json.tmp", "w") as f:
+    json.dump({"fingerprint": fingerprint, **info}, f, indent=1, sort_keys=True)
+  os.replace(path + ".json.tmp", path + ".json")
+
+
+def load_warm_start(path: str, template, fingerprint: str) -> tuple[Any, dict]:
+  """`(params, info)` from `save_warm_start`'s files, laid out as `template`. Raises ValueError
+  naming the file when its fingerprint is another config's, or it does not hold `template`'s
+  arrays (a corrupt or truncated file included)."""
+  with open(path + ".json") as f:
+    info = json.load(f)
+  if info.get("fingerprint") != fingerprint:
+    raise ValueError(f"{path}.json: a warm start of other settings (fingerprint "
+                     f"{info.get('fingerprint')!r}, this cell's {fingerprint!r}); move it away "
+                     f"to recompute it.")
+  try:
+    with np.load(path + ".npz") as data:
+      arrays = {k: data[k] for k in data.files}
+  except Exception as e:  # a truncated zip, a bad CRC, ...
+    raise ValueError(f"{path}.npz: unreadable warm start ({type(e).__name__}: {e}).") from None
+  leaves = []
+  for key, like in jax.tree_util.tree_leaves_with_path(template):
+    name = jax.tree_util.keystr(key)
+    if name not in arrays or arrays[name].shape != np.shape(like):
+      raise ValueError(f"{path}.npz: no array {name} of shape {np.shape(like)}.")
+    leaves.append(jnp.asarray(arrays[name], like.dtype))
+  return jax.tree.unflatten(jax.tree.structure(template), leaves), info
+
+
+def _warm_start(base, cell: Cell, algorithm: str, setups: dict,
+                warm_dir: str | None = None) -> tuple[Learner, Any, dict | None]:
+  """The cell's learner (environment, tasks and codec shared by every seed of an `(env, N)`), its
+  SFT warm-start parameters and, when they were read from `warm_dir`, the info saved with them
+  (else None; the caller saves them with `save_warm_start`)."""
   config = cell_config(base, cell.env, cell.horizon, algorithm, cell.seed)
   if config.model.checkpoint:
     raise ValueError("horizon sweeps train fresh tiny policies; set model.checkpoint=''.")
@@ -207,8 +277,13 @@ def _warm_start(base, cell: Cell, algorithm: str, setups: dict) -> tuple[Learner
   shared = setups[(cell.env, cell.horizon)]
   learner = shared.with_config(
       config, init_params=init_params(shared.model_config, learner_lib.key(cell.seed, 1)))
-  state, _ = learner.warm_start(learner.initial_state())
-  return learner, jax.tree.map(jnp.copy, state.params)
+  state = learner.initial_state()
+  path = None if warm_dir is None else warm_start_path(warm_dir, cell)
+  if path is not None and os.path.exists(path + ".json"):
+    params, info = load_warm_start(path, state.params, warm_fingerprint(config))
+    return learner, params, info
+  state, _ = learner.warm_start(state)
+  return learner, jax.tree.map(jnp.copy, state.params), None
 
 
 def _train(learner: Learner, params, cell: Cell, label: str) -> tuple[Any, list[dict], int, int]:
@@ -246,26 +321,38 @@ def _first_errors(metrics: dict) -> dict | None:
 
 def run_cell(base, cell: Cell, algorithms: Sequence[str], *, log: Callable[[str], None] = print,
              setups: dict | None = None, warm_algorithm: str | None = None,
-             on_run: Callable[[dict, list[dict]], None] | None = None
-             ) -> tuple[list[dict], list[dict]]:
+             on_run: Callable[[dict, list[dict]], None] | None = None,
+             warm_dir: str | None = None) -> tuple[list[dict], list[dict]]:
   """Warm start once, then every algorithm from that warm start: `(result rows, curve rows)`.
 
   `setups` (a dict kept across calls) reuses the environment, task suites and codec of an
   `(env, horizon)` for every seed, so their jitted functions compile once. The warm start is
   built with `warm_algorithm`'s config (default: the first of `algorithms`), so a resumed cell
-  that runs only some algorithms starts them from the same warm start. `on_run(row, curves)` is
+  that runs only some algorithms starts them from the same warm start. With `warm_dir`, the warm
+  start and its evaluation are saved there (`save_warm_start`) and read back by a resumed cell,
+  which then starts from the same parameters on any machine (XLA's numerics differ between CPU
+  models, so recomputing the SFT elsewhere would give another start). `on_run(row, curves)` is
   called as each algorithm's run finishes."""
   started = time.perf_counter()
-  warm_learner, warm_params = _warm_start(base, cell, warm_algorithm or algorithms[0],
-                                          {} if setups is None else setups)
+  warm_learner, warm_params, saved = _warm_start(base, cell, warm_algorithm or algorithms[0],
+                                                 {} if setups is None else setups, warm_dir)
   c = warm_learner.config
   actions = actions_needed(cell.env, cell.horizon)
   oracle, mean_length = _oracle_episodes(warm_learner)
-  warm = _evaluate(warm_learner, warm_params, c.seed + 17)
-  warm_p, _ = step_accuracy(warm_learner, warm_params, oracle)
+  if saved is not None:
+    warm, warm_p = saved["warm"], saved["warm_step_accuracy"]
+  else:
+    warm = _evaluate(warm_learner, warm_params, c.seed + 17)
+    warm_p, _ = step_accuracy(warm_learner, warm_params, oracle)
+    if warm_dir is not None:
+      save_warm_start(warm_start_path(warm_dir, cell), warm_params,
+                      warm_fingerprint(warm_learner.config),
+                      {"warm": warm, "warm_step_accuracy": float(warm_p),
+                       "provenance": provenance.provenance()})
   log(f"{cell.env} N={cell.horizon} seed={cell.seed}: warm start success {warm['success']:.3f} "
       f"(greedy {warm['greedy_success']:.3f}), step accuracy {warm_p:.3f} -> p^{actions} = "
-      f"{warm_p ** actions:.3f}  [{time.perf_counter() - started:.0f}s]")
+      f"{warm_p ** actions:.3f}  [{time.perf_counter() - started:.0f}s"
+      f"{', read from ' + warm_dir if saved is not None else ''}]")
   rows, curves = [], []
   for label in algorithms:
     run_started = time.perf_counter()
@@ -334,11 +421,12 @@ def read_results(out_dir: str) -> tuple[list[dict], list[dict]]:
 
 
 def run_sweep(base, cells: Sequence[Cell], algorithms: Sequence[str], out_dir: str, *,
-              log: Callable[[str], None] = print) -> list[dict]:
+              log: Callable[[str], None] = print, keep_warm_starts: bool = False) -> list[dict]:
   """Runs every (cell, algorithm) not yet in `out_dir/results.csv`; returns all result rows.
 
   Each run's rows are appended as it finishes, so a killed sweep loses at most the run under way
-  (and redoes its cell's deterministic warm start)."""
+  and redoes its cell's warm start, or with `keep_warm_starts` reads it back from
+  `out_dir/warm_starts/` (see `run_cell`)."""
   os.makedirs(out_dir, exist_ok=True)
   done = {(r["env"], r["horizon"], r["seed"], r["algorithm"]) for r in read_results(out_dir)[0]}
 
@@ -359,7 +447,8 @@ def run_sweep(base, cells: Sequence[Cell], algorithms: Sequence[str], out_dir: s
     log(f"[{i + 1}/{len(cells)}] {cell}" + (f" (resumed: {', '.join(todo)})"
                                             if len(todo) < len(algorithms) else ""))
     run_cell(base, cell, todo, log=log, setups=setups, warm_algorithm=algorithms[0],
-             on_run=record)
+             on_run=record,
+             warm_dir=os.path.join(out_dir, "warm_starts") if keep_warm_starts else None)
   return read_results(out_dir)[0]
 
 
