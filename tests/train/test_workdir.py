@@ -102,9 +102,9 @@ def test_config_check_refuses_fixed_fields_with_the_diff_and_records_allowed_one
 
 def test_fields_added_since_a_run_started_resume_at_their_old_behaviour(tmp_path):
   """A workdir saved before `model.moe`, `model.lora`, `model.decode_quant`, `model.remat`,
-  `eval.greedy`, the turn-level / EMPG algorithm fields and branch rollouts existed resumes with their defaults (a
-  dense, fully fine-tuned, float32-sampled model, evaluated greedy too, token-level advantages
-  without EMPG, a separate critic), and is refused when a new field asks for something the old run
+  `eval.greedy`, the turn-level / EMPG algorithm fields, branch rollouts and shared-prefix passes
+  existed resumes with their defaults (a dense, fully fine-tuned, float32-sampled model, evaluated
+  greedy too, token-level advantages without EMPG, a separate critic, per-row passes), and is refused when a new field asks for something the old run
   did not do."""
   work = str(tmp_path)
   workdir_lib.save_config(work, _config(), 0)
@@ -118,7 +118,7 @@ def test_fields_added_since_a_run_started_resume_at_their_old_behaviour(tmp_path
   del saved["loss"]["reuse_behaviour_logprobs"]
   del saved["rollout"]["branch_k"], saved["rollout"]["branch_at"], saved["rollout"]["record_oracle"]
   del saved["curriculum"]["step_budgets"], saved["curriculum"]["grow_at"]
-  del saved["rollout"]["share_prompts"]
+  del saved["rollout"]["share_prompts"], saved["optim"]["share_prefix"]
   for name in ("recovery_groups", "recovery_from", "recovery_capacity", "continue_partial",
                "partial_cache"):
     del saved["rollout"][name]
