@@ -249,6 +249,7 @@ def test_oracle_with_chat_tokenizer(env, style, smollm2_tokenizer):
 
 # ------------------------------------------------------------------------- batching and no-ops
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_finished_rows_stay_finished_and_step_does_not_retrace(env, assert_no_retrace):
   keys = jax.random.split(jax.random.key(3), 8)
   states, _ = jax.vmap(lambda k: env.reset(k))(keys)

@@ -42,6 +42,7 @@ def test_tool_fault_rates_by_hand():
     envs.tool_fault_rates({"timeout": -0.1}, ["lookup"])
 
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_each_tool_draws_from_its_own_rates():
   base = envs.make("pointer_chain", horizon=4)
   keys = jax.random.split(jax.random.key(3), N)

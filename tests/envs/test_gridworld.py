@@ -459,6 +459,7 @@ def test_vocabulary_covers_every_compact_word(env, tasks):
   assert words <= vocabulary, words - vocabulary
 
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_min_length_gives_tasks_of_exactly_the_asked_length():
   from longhorizon import envs
   env = envs.make("gridworld", size=6, key_door=False, max_length=8, min_length=8, candidates=128)

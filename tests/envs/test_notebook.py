@@ -132,6 +132,7 @@ def sampled():
   return nb, codec, config, params, [tasks[g] for g in np.asarray(batch.group)], batch
 
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_sampled_rows_with_notes_are_token_exact(sampled):
   nb, codec, config, params, _, batch = sampled
   rows = [codec.decode(np.asarray(t)[np.asarray(m)]) for t, m in zip(batch.tokens,

@@ -38,6 +38,7 @@ def test_parse_mode():
       async_vs_sync.parse_mode(bad)
 
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_smoke_run_writes_consistent_json(tmp_path):
   out = tmp_path / "async_vs_sync.json"
   result = subprocess.run(

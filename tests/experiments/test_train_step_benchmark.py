@@ -8,6 +8,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 from longhorizon.models import init_params, tiny_config
 
@@ -70,6 +71,7 @@ def test_synthetic_batch_is_valid_with_sixty_percent_loss_tokens():
   assert set(np.unique(np.asarray(batch.turn)[loss_mask])) == {0, 1, 2, 3}
 
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_smoke_run_writes_consistent_json(tmp_path):
   out = tmp_path / "train_step.json"
   result = subprocess.run([sys.executable, str(SCRIPT), "--smoke", f"--out={out}"],

@@ -13,6 +13,7 @@ import pytest
 ROOT = pathlib.Path(__file__).parents[2]
 
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_update_variants_smoke(tmp_path):
   out = tmp_path / "variants.json"
   proc = subprocess.run(

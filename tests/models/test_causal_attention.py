@@ -91,6 +91,7 @@ def test_matches_the_numpy_reference(block, variant):
   np.testing.assert_allclose(np.asarray(out)[seen], want[seen], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_gradients_equal_one_unblocked_softmax():
   """The cotangents of queries, keys and values through the blocks equal those of a single block
   (one softmax over the full masked matrix)."""

@@ -53,7 +53,8 @@ def test_kernel_matches_numpy_reference(g, hd):
   q, k, v = _inputs(rng, b, kv, g, hd, s)
   n = np.array([0, 1, 2, 17, 36, 37], np.int32)
   out = np.asarray(jax.jit(cpu_kernels.decode_attention)(q, k, v, n))
-  np.testing.assert_allclose(out, _reference(q, k, v, n), atol=2e-6, rtol=1e-5)
+  # float32 sums in another order than the float64 reference: 3.7e-6 measured at hd = 128 (AMD EPYC)
+  np.testing.assert_allclose(out, _reference(q, k, v, n), atol=1e-5, rtol=1e-5)
   np.testing.assert_array_equal(out[0], 0.0)  # n = 0: no visible slot
 
 
@@ -79,7 +80,8 @@ def test_kernel_reads_only_the_visible_prefix():
     v[r, :, n[r]:] = np.nan
   out = np.asarray(cpu_kernels.decode_attention(q, k, v, n))
   assert np.isfinite(out).all()
-  np.testing.assert_allclose(out, _reference(q, k, v, n), atol=2e-6, rtol=1e-5)
+  # float32 sums in another order than the float64 reference: 3.7e-6 measured at hd = 128 (AMD EPYC)
+  np.testing.assert_allclose(out, _reference(q, k, v, n), atol=1e-5, rtol=1e-5)
 
 
 def test_bad_shapes_are_named():

@@ -175,6 +175,7 @@ def test_cache_prefill_decode_and_extend_match_full_recompute(tiny):
   np.testing.assert_array_equal(np.asarray(out.cache.end), [14, 14])
 
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_cache_path_with_qkv_bias_untied_head_and_bf16_matches_full_recompute():
   # `cached_forward` runs fused q|k|v (with bias) and gate|up weights; the scanned Linen blocks run
   # the separate projections: the two must agree, decode step by step, in float32 and bfloat16.

@@ -53,6 +53,7 @@ def _token_logp(logits, tokens):
   return np.asarray(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0])
 
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_replaying_the_samplers_routing_reproduces_its_logprobs():
   config = _config(num_experts=16)
   params = _distinct_experts(config)
@@ -81,6 +82,7 @@ def test_replaying_the_samplers_routing_reproduces_its_logprobs():
                              atol=1e-5)
 
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_cached_decode_routing_equals_the_full_pass():
   """Prefill then one-token steps report each token's experts as the whole-sequence pass does."""
   config = _config()

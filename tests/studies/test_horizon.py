@@ -76,6 +76,7 @@ def test_actions_needed_and_unknown_env():
 
 
 @pytest.mark.parametrize("env_name,n", [("pointer_chain", 16), ("gridworld", 8), ("gridworld", 2)])
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_cpu_budgets_hold_an_oracle_episode_of_exactly_the_horizon(env_name, n):
   """The step limit and context budget of the CPU sweep's longest cells fit the oracle's
   episodes, and every task needs exactly N moves (gridworld) or N hops (pointer_chain)."""
@@ -95,6 +96,7 @@ def test_cpu_budgets_hold_an_oracle_episode_of_exactly_the_horizon(env_name, n):
   assert np.all(np.asarray(batch.num_steps) == horizon.actions_needed(env_name, n))
 
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_smoke_sweep_writes_results_and_resumes(tmp_path):
   config = _config("smoke")
   cells = [horizon.Cell("pointer_chain", 2, 0)]

@@ -76,6 +76,7 @@ def test_estimators_needing_branches_are_refused_without(tmp_path):
     config_lib.validate(config)
 
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_learner_collects_branched_batches_and_updates(tmp_path, smoke_learner,
                                                        assert_no_retrace):
   from longhorizon.train.metrics import Timer  # pylint: disable=g-import-not-at-top
@@ -125,6 +126,7 @@ def test_tree_critic_learns_tree_values_and_credits_value_changes(batch):
                              atol=1e-6)
 
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_learner_trains_the_tree_critic(tmp_path, smoke_learner):
   """The learner builds a critic for `tree_critic` and moves it towards the tree's values (the
   untrained policy's scores are replaced by random ones, so the targets are not all 0)."""

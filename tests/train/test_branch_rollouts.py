@@ -37,6 +37,7 @@ def _own_start(batch, i):
   return int(np.flatnonzero(batch.loss_mask[i] & (batch.turn[i] == batch.branch_step[i]))[0])
 
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_tree_layout_and_budget(branched):
   batch, stats = branched
   batch.validate()

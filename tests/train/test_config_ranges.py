@@ -153,6 +153,7 @@ def test_any_config_that_validates_runs_an_update(tmp_path):
   assert len(accepted) == 8, accepted
 
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_warm_start_logs_its_demonstrations_and_progress(tmp_path, caplog):
   config = _config(**{"tasks.data_dir": str(tmp_path / "tasks"), "sft.steps": 10,
                       "sft.episodes": 8})

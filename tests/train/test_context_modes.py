@@ -108,6 +108,7 @@ def test_window_is_the_prompt_and_the_last_turns_copied(env, codec, tasks):
 
 @pytest.mark.parametrize("mode,every", [("window", 0), ("summary", 0), ("summary", 3),
                                         ("window", 2), ("policy", 0), ("policy", 2)])
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_learner_logprobs_equal_the_samplers_on_every_segment(env, codec, model, tasks, mode,
                                                               every):
   config, params = model

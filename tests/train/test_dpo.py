@@ -50,6 +50,7 @@ def _np_loss(config, params, batch, masks, ref, beta, sft_weight):
   return dpo, nll
 
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_dpo_update_matches_numpy_and_compiles_once(model, episodes):
   config, params = model
   masks = preference.policy_mask(episodes).astype(np.float32)
@@ -144,6 +145,7 @@ def test_stage_samples_once_into_the_runs_store(tmp_path, smoke_config):
   assert again["stored_episodes"] == info["stored_episodes"] == 8
 
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_sft_reads_the_newest_distinct_successes_of_a_store(tmp_path, smoke_config):
   config = smoke_config(tmp_path, **{"sft.store": str(tmp_path / "demos"), "sft.episodes": 4,
                                      "sft.steps": 6, "sft.minibatches": 1})

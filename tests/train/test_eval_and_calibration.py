@@ -29,6 +29,7 @@ def _record_temperatures(monkeypatch):
   return seen
 
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_eval_greedy_off_runs_sampled_only(tmp_path, smoke_learner, monkeypatch):
   changes = {"eval.num_tasks": 4, "eval.k": 1}
   on = smoke_learner(tmp_path, changes)

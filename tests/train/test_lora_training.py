@@ -57,6 +57,7 @@ def trained(tmp_path_factory):
   return s, init, state, metrics
 
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_only_adapter_parameters_change(trained):
   s, init, state, _ = trained
   now = _flat(state.params)
@@ -130,6 +131,7 @@ def _bf16_check(tmp_path, rank):
 
 
 @pytest.mark.parametrize("rank", [0, 4])
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_bf16_compute_keeps_float32_master_weights_and_logprobs(tmp_path, rank):
   """model.dtype=bfloat16: matmuls and activations in bf16, parameters (the master weights) and
   log-probs / losses in float32, with and without adapters.
@@ -145,6 +147,7 @@ def test_bf16_compute_keeps_float32_master_weights_and_logprobs(tmp_path, rank):
   assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
 
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_remat_reaches_the_model_and_keeps_the_gradients(tmp_path):
   """config.model.remat sets the model's rematerialisation; recomputing the blocks in the backward
   pass changes memory and time, not the log-probs or the adapters' gradients. (Compared on the

@@ -38,6 +38,7 @@ def _collect(s, params, model_config, seed=0):
                          s.rollout.collect_config(s.config.env.max_steps), sampling_seed=seed)[0]
 
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_fresh_moe_policy_from_the_config(moe):
   s, params = moe
   c = s.model_config
@@ -47,6 +48,7 @@ def test_fresh_moe_policy_from_the_config(moe):
   assert params["layers"]["mlp"]["gate_proj"].shape[:2] == (c.num_hidden_layers, 4)
 
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_collect_records_the_experts_of_every_episode_token(moe):
   """Same numerics on both sides: the recorded experts are the full pass's routing of the
   episode's tokens (prompt, actions and observations), 0 on padding."""
@@ -90,6 +92,7 @@ def test_replay_makes_the_learner_score_rollout_tokens_like_the_sampler(moe):
   assert gap_replayed.max() < 0.05  # what is left is bf16 rounding, not routing
 
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_the_update_adds_the_aux_loss_and_is_traced_once(moe, assert_no_retrace):
   s, _ = moe
   state, timer = s.initial_state(), Timer()

@@ -37,6 +37,7 @@ SMOKE = ["--config=configs/default.py:smoke", "--config.tensorboard=False",
 
 # ----------------------------------------------------------------------- the split, in one process
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_process_shares_reassemble_the_single_process_batch():
   env = envs.TimeLimit(envs.make("pointer_chain", horizon=2), 5)
   codec = env.codec(style="compact")

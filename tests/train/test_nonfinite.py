@@ -97,6 +97,7 @@ def _assert_trains(s: Setup, state, skipped_before: int):
   assert int(new.policy_version) == int(state.policy_version) + 1
 
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_finite_update_is_not_skipped(setup):
   new, metrics = _update(setup, setup.advantages, setup.old_logp)
   assert int(metrics["skipped_updates"]) == 0 and np.isfinite(metrics["loss"])

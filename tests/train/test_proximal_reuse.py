@@ -9,6 +9,7 @@ from longhorizon.train import config as config_lib
 from longhorizon.train.metrics import Timer
 
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_the_anchor_is_the_behaviour_logprobs_and_close_to_the_recomputed_ones(tmp_path,
                                                                                 smoke_learner):
   s = smoke_learner(tmp_path, {"loss.reuse_behaviour_logprobs": True})

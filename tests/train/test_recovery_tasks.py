@@ -73,6 +73,7 @@ def test_continuing_with_the_source_stream_reproduces_the_source_episode(env, co
     assert again.parent[0] == RECOVERY and again.branch_step[0] == starts.steps[j]
 
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_recovery_groups_under_new_parameters(env, codec, model, source):
   """G continuations per start with other parameters: one group per start, the prefix copied with
   no loss, and behaviour log-probs equal to a full forward pass under the new parameters (the
@@ -143,6 +144,7 @@ def test_config_errors_name_the_problem():
     _rc(recovery_from="somewhere")
 
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_learner_mixes_recovery_groups_at_an_unchanged_budget(tmp_path, smoke_learner):
   """Update 0 has no starts yet (all fresh tasks); update 1 replaces `recovery_groups` tasks by
   groups started from update 0's failures; shapes and episodes per update stay the same, the

@@ -60,6 +60,7 @@ def _with(s, *, value_coef=None, **optim):
 
 # ------------------------------------------------------------------------------------- values
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_shared_values_are_the_value_head_on_the_policy_trunk(shared):
   """`critic_values(head, trunk_params=policy)` is `PolicyWithValue` over the policy's parameters,
   and the head's affine map of the policy `Transformer`'s final hidden states (computed here in
@@ -165,6 +166,7 @@ def _max_change(a, b) -> float:
              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_value_gradient_reaches_the_shared_trunk_only(shared):
   """With the shared critic the policy update depends on `value_coef` (the value loss's gradient
   flows into every layer of the trunk); with a separate critic it is bit for bit the same."""
@@ -185,6 +187,7 @@ def test_value_gradient_reaches_the_shared_trunk_only(shared):
   jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_shared_critic_with_lora_trains_adapters_and_head_only(tmp_path, smoke_learner):
   """With LoRA the value gradient reaches the adapters (their update depends on `value_coef`),
   never the frozen weights; the optimiser state covers adapters alone, and the head trains."""
@@ -207,6 +210,7 @@ def test_shared_critic_with_lora_trains_adapters_and_head_only(tmp_path, smoke_l
   assert np.isfinite(m["loss"]) and np.isfinite(m["value_loss"])
 
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_shared_critic_in_bfloat16_compute(shared):
   """With a bfloat16 trunk (`model.dtype`) the head still reads float32 values (the hidden states
   cast up), close to the float32 model's, and the update's losses stay finite."""

@@ -94,6 +94,7 @@ def _informative(batch, group_size):
                                      batch.batch_size // group_size))
 
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_replayed_rows_are_the_stored_ones_and_pad_until_there_are_any(learner, tmp_path):
   c = learner.config
   g = c.rollout.group_size

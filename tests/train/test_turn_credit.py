@@ -141,6 +141,7 @@ def test_empg_errors_name_the_problem(batch):
                                   np.zeros(np.shape(batch.tokens), np.float32))
 
 
+@pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_learner_feeds_empg_the_current_policy_entropy(tmp_path, smoke_learner):
   """With `algorithm.empg` the learner's update inputs are EMPG's advantages from the entropy of
   the current parameters on the batch; a step updates with them."""
