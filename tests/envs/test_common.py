@@ -99,6 +99,7 @@ def test_parse_action_never_raises(env, style):
 
 
 @pytest.mark.parametrize("style", STYLES)
+@pytest.mark.slow  # over 10 s on a 2-core AMD EPYC with the test compile settings (BUILD_NOTES)
 def test_malformed_action_gets_named_error_observation(env, style):
   codec = env.codec(style=style)
   state, _ = env.reset(jax.random.key(0))

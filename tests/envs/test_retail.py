@@ -127,6 +127,7 @@ def test_hand_case(small, small_reset, small_step):
   assert small.task_text(task, "compact") == "i am Liam . cancel my chair order ."
 
 
+@pytest.mark.slow  # over 10 s on a 2-core AMD EPYC with the test compile settings (BUILD_NOTES)
 def test_milestone_holding_at_reset_never_fires(small, small_reset, small_step):
   """A task without requests: `order_found` (every requested order read) holds before any action.
   It used to fire on the first action (0.25); now it is reached at reset."""

@@ -66,6 +66,7 @@ def test_bad_faults_flag_names_the_problem(tmp_path):
     ("--env=no_such_user_module:Env", "--env=no_such_user_module:Env: environment "
      "'no_such_user_module:Env': cannot import module 'no_such_user_module'"),
 ])
+@pytest.mark.slow  # over 10 s on a 2-core AMD EPYC with the test compile settings (BUILD_NOTES)
 def test_bad_flags_are_usage_errors_before_anything_loads(tmp_path, flag, message):
   # A model checkpoint that does not exist: loading it would fail with another message.
   run = _evaluate(tmp_path, f"--checkpoint={tmp_path / 'no_model'}", "--env=pointer_chain", flag,

@@ -53,6 +53,7 @@ def test_generate_rejects_bad_messages():
     ('--messages={"role":"user","content":"hi"}', "--messages must be a non-empty JSON list"),
     ("--messages=[{not json", "flag --messages=[{not json: --messages is not valid JSON"),
 ])
+@pytest.mark.slow  # over 10 s on a 2-core AMD EPYC with the test compile settings (BUILD_NOTES)
 def test_bad_flags_are_refused_before_the_checkpoint_loads(flag, expected):
   prompt = () if flag.startswith("--messages") else ("--prompt=hi",)
   result = _run("--checkpoint=no_such_alias", *prompt, flag, timeout=120)

@@ -108,6 +108,7 @@ def _lowered_decode(config, params, prompts, lengths):
 
 
 @pytest.mark.parametrize("heads, kv_heads, hidden", [(4, 2, 64), (9, 3, 576)])
+@pytest.mark.slow  # over 10 s on a 2-core AMD EPYC with the test compile settings (BUILD_NOTES)
 def test_decode_with_kernel_equals_the_xla_path(heads, kv_heads, hidden):
   # Same sampled tokens and log-probs, logits to float32 rounding, with ragged prompt lengths (each
   # row sees a different prefix). The second shape is SmolLM2's head layout (hd 64, G 3).

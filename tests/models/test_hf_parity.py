@@ -102,6 +102,7 @@ def test_save_back_loads_in_transformers(tmp_path, name):
 
 
 @pytest.mark.parametrize("name", sorted(_FAMILIES))
+@pytest.mark.slow  # over 10 s on a 2-core AMD EPYC with the test compile settings (BUILD_NOTES)
 def test_kv_cache_equals_the_full_forward_pass(tmp_path, name):
   model = _hf_model(name, seed=2)
   model.save_pretrained(str(tmp_path / "hf"), safe_serialization=True)
