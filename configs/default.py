@@ -12,7 +12,8 @@ What happens: a 2-layer, d=128 Llama-style decoder with the environment's word-l
 warm-started by SFT on a deliberately small budget of oracle episodes (so it is competent but
 unreliable when sampled at temperature 1), then trained with GRPO on groups of 8 rollouts per task.
 Expected result on a 2-core CPU (about 10 minutes): sampled success on the test split rises from
-the warm start's to >= 0.8, at least 0.3 above it; `eval.json`, `metrics.jsonl`, checkpoints and
+the warm start's to >= 0.75, at least 0.3 above it (measured: 0.164 -> 0.949 on an Intel Xeon,
+0.145 -> 0.791 on an AMD EPYC: float rounding differs by CPU and the run follows it); `eval.json`, `metrics.jsonl`, checkpoints and
 `learning_curve.png` are left in the workdir. Rerunning with the same workdir resumes.
 """
 
