@@ -210,7 +210,10 @@ _SLOW_IN_CI = frozenset([
     "tests/train/test_learning.py::test_a_batch_cut_to_its_length_bucket_updates_like_the_full_length_one",
     "tests/train/test_learning.py::test_a_registered_loss_is_used_by_name",
     "tests/train/test_learning.py::test_curriculum_state_is_logged_and_checkpointed",
-    "tests/train/test_learning.py::test_every_algorithm_improves_success",
+    "tests/train/test_learning.py::test_every_algorithm_improves_success[gigpo]",
+    "tests/train/test_learning.py::test_every_algorithm_improves_success[grpo]",
+    "tests/train/test_learning.py::test_every_algorithm_improves_success[ppo]",
+    "tests/train/test_learning.py::test_every_algorithm_improves_success[tree_grpo]",
     "tests/train/test_learning.py::test_observation_and_prompt_tokens_get_no_gradient_nor_kl",
     "tests/train/test_learning.py::test_resume_equals_uninterrupted",
     "tests/train/test_lora_training.py::test_bf16_compute_keeps_float32_master_weights_and_logprobs",
@@ -244,6 +247,7 @@ _SLOW_IN_CI = frozenset([
 def pytest_collection_modifyitems(config, items):
   del config
   for item in items:
-    name = item.nodeid.split("[")[0]
-    if item.get_closest_marker("slow") and name not in _SLOW_IN_CI:
+    # An entry names a test function (all its parameters) or one parametrized case.
+    listed = item.nodeid in _SLOW_IN_CI or item.nodeid.split("[")[0] in _SLOW_IN_CI
+    if item.get_closest_marker("slow") and not listed:
       item.add_marker(pytest.mark.heavy)

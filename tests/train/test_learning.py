@@ -186,21 +186,10 @@ _NOT_AT_THIS_BUDGET = {
 _VARIANTS = {"ppo+shared_critic": ("ppo", {"algorithm.critic": "shared"}, 0.075)}
 
 
-# The estimators CI runs (one of each kind: group baseline, critic, step-level groups, tree); the
-# others are marked `heavy` (run by hand, BUILD_NOTES) since the suite outgrew CI's time on 2 cores.
-_IN_CI = ("grpo", "ppo", "gigpo", "tree_grpo")
-
-
-def _algorithm_param(n):
-  marks = [] if n in _IN_CI else [pytest.mark.heavy]
-  if n in _NOT_AT_THIS_BUDGET:
-    marks.append(pytest.mark.xfail(reason=_NOT_AT_THIS_BUDGET[n], strict=False))
-  return pytest.param(n, marks=marks)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [
-    _algorithm_param(n) for n in sorted(algorithms.ALGORITHMS) + sorted(_VARIANTS)])
+    pytest.param(n, marks=pytest.mark.xfail(reason=_NOT_AT_THIS_BUDGET[n], strict=False))
+    if n in _NOT_AT_THIS_BUDGET else n for n in sorted(algorithms.ALGORITHMS) + sorted(_VARIANTS)])
 def test_every_algorithm_improves_success(warm, name):
   s, state = warm
   label, (name, changes, least) = name, _VARIANTS.get(name, (name, {}, 0.15))
