@@ -241,6 +241,9 @@ _SLOW_IN_CI = frozenset([
     "tests/train/test_turn_credit.py::test_learner_feeds_empg_the_current_policy_entropy",
     "tests/train/test_workdir.py::test_damaged_newest_checkpoint_falls_back_and_resumes",
     "tests/train/test_workdir.py::test_main_script_exact_command_line_with_its_relative_default_workdir",
+    # Back in CI (nineteenth session): its live cell now compares the committed row only on the CPU
+    # it was made on; 8 min 6 s beside the SmolLM2 run, so about 4-5 min alone.
+    "tests/test_notebooks.py::test_notebook_executes[credit_assignment_ablation.ipynb]",
 ])
 
 

@@ -34,7 +34,8 @@ from longhorizon.rollout import render
 NOTEBOOKS = sorted((pathlib.Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
 
 # Notebooks that train a policy (about a minute each on an idle 2-core Xeon; 2-8 min on the AMD EPYC):
-# marked `slow`, and `heavy` by tests/conftest.py, so they run by hand (`scripts/test.sh -m heavy`).
+# marked `slow`; tests/conftest.py keeps credit_assignment_ablation in CI and marks the other two
+# `heavy`, so they run by hand (`scripts/test.sh -m heavy`).
 SLOW = {"quickstart.ipynb", "custom_environment.ipynb", "credit_assignment_ablation.ipynb"}
 
 # name -> (strings the notebook's stdout must contain, MIME types its display outputs must include).
