@@ -92,6 +92,9 @@ def _cpu_lora(config):
   config.rollout.turn_tokens = 48
   config.loss.kl_coef = 0.0
   config.optim.learning_rate = 1e-4
+  # A minibatch whose groups all failed (or all succeeded) has an exactly zero gradient; plain Adam
+  # would still move the adapters by its momentum (the third attempt drifted so; its README).
+  config.optim.skip_zero_grad = True
   config.optim.epochs = 1
   config.optim.minibatches = 4
   config.optim.length_buckets = 13  # 64-token steps: an oracle episode is ~660 of the 832

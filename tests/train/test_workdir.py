@@ -119,6 +119,7 @@ def test_fields_added_since_a_run_started_resume_at_their_old_behaviour(tmp_path
   del saved["rollout"]["branch_k"], saved["rollout"]["branch_at"], saved["rollout"]["record_oracle"]
   del saved["curriculum"]["step_budgets"], saved["curriculum"]["grow_at"]
   del saved["rollout"]["share_prompts"], saved["optim"]["share_prefix"]
+  del saved["optim"]["skip_zero_grad"]
   for name in ("recovery_groups", "recovery_from", "recovery_capacity", "continue_partial",
                "partial_cache"):
     del saved["rollout"][name]

@@ -277,7 +277,8 @@ class Learner:
     optimizer = make_optimizer(optim.learning_rate, warmup_steps=optim.warmup_steps,
                                total_steps=total, schedule=optim.schedule,
                                max_grad_norm=optim.max_grad_norm,
-                               weight_decay=optim.weight_decay, b1=optim.b1, b2=optim.b2)
+                               weight_decay=optim.weight_decay, b1=optim.b1, b2=optim.b2,
+                               skip_zero_grad=optim.skip_zero_grad)
     critic_optimizer = None
     if algorithm.spec.needs_critic:
       critic_optimizer = make_optimizer(optim.critic_learning_rate,

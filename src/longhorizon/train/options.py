@@ -326,6 +326,12 @@ class OptimOptions(Options):
   # gradient up to float rounding; one compilation per distinct length). Dense models only; no
   # shared critic. 0 = off.
   share_prefix: int = option(0, range=NON_NEGATIVE_INT)
+  # True: an RL minibatch whose policy gradient is exactly zero (every row's advantage 0, no KL or
+  # entropy term) takes no optimiser step, so Adam's momentum does not keep moving the policy on a
+  # batch without signal (`make_optimizer(skip_zero_grad=True)`: optax.MultiSteps with a skip
+  # test; it keeps a gradient buffer the size of the trainable parameters). False: every
+  # minibatch steps, as in optax/PyTorch Adam.
+  skip_zero_grad: bool = option(False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -71,9 +71,15 @@ class TrainState:
 
 def make_optimizer(learning_rate: float, *, warmup_steps: int = 0, total_steps: int = 1,
                    schedule: str = "constant", max_grad_norm: float | None = 1.0,
-                   weight_decay: float = 0.0, b1: float = 0.9, b2: float = 0.999) -> optax.GradientTransformation:
+                   weight_decay: float = 0.0, b1: float = 0.9, b2: float = 0.999,
+                   skip_zero_grad: bool = False) -> optax.GradientTransformation:
   """AdamW with global-norm clipping and a warmup + constant/cosine/linear schedule (the learner
-  builds it once per run and closes its jitted update over it)."""
+  builds it once per run and closes its jitted update over it).
+
+  `skip_zero_grad`: a step whose gradient is exactly zero everywhere returns zero updates and
+  leaves the Adam moments, the step count and the schedule where they were (optax.MultiSteps with
+  one step per update and a skip test), where plain Adam would still move the parameters by its
+  momentum. The state's `gradient_step` then counts the steps taken."""
   if schedule == "constant":
     decay = optax.constant_schedule(learning_rate)
   elif schedule == "cosine":
@@ -86,7 +92,17 @@ def make_optimizer(learning_rate: float, *, warmup_steps: int = 0, total_steps: 
                             [warmup_steps]) if warmup_steps > 0 else decay
   parts = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []
   parts.append(optax.adamw(lr, b1=b1, b2=b2, weight_decay=weight_decay))
-  return optax.chain(*parts)
+  if not skip_zero_grad:
+    return optax.chain(*parts)
+  return optax.MultiSteps(optax.chain(*parts), every_k_schedule=1,
+                          should_skip_update_fn=_zero_gradient).gradient_transformation()
+
+
+def _zero_gradient(updates, gradient_step, params):
+  """`optax.MultiSteps`'s skip test: the gradient is exactly zero in every leaf."""
+  del gradient_step, params
+  nonzero = [jnp.any(x != 0) for x in jax.tree.leaves(updates)]
+  return ~jnp.any(jnp.stack(nonzero)) if nonzero else jnp.array(True), {}
 
 
 def _forward(params, config: ModelConfig, batch, *, dropout_rng=None, value_head=None,

@@ -71,7 +71,7 @@ ADDED_FIELDS: dict[str, Any] = {
     "rollout.continue_partial": False, "rollout.partial_cache": "keep",
     "context.mode": "full", "context.every": 0, "context.keep": 2, "context.segments": 4,
     "context.summary_by": "env", "context.summary_tokens": 24, "context.offload_words": 32,
-    "context.offload_preview": 8,
+    "context.offload_preview": 8, "optim.skip_zero_grad": False,
     **{f"dpo.{k}": v for k, v in {
         "steps": 0, "tasks": 64, "group_size": 8, "branch_k": 0, "branch_at": "uniform",
         "level": "trajectory", "beta": 0.1, "label_smoothing": 0.0, "sft_weight": 0.0, "min_gap": 0.0,
