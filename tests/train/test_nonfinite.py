@@ -2,8 +2,9 @@
 parameters and the optimiser state stay as they were) and counted in `skipped_updates`, and the
 next update with finite inputs trains normally.
 
-The setup is tiny and built by hand: a 2-layer model (`tiny_config`) over pointer_chain's compact
-vocabulary and 8 scripted (noisy oracle) episodes, so the update compiles in seconds.
+The setup is tiny and built by hand (`tests/train/conftest.py::update_batch`): a 2-layer model over
+pointer_chain's compact vocabulary and 8 scripted (noisy oracle) episodes, so the update compiles
+in seconds.
 """
 
 import dataclasses
@@ -13,15 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from longhorizon import envs, rollout
-from longhorizon.core.episode import to_device
-from longhorizon.envs import testing
-from longhorizon.models import init_params, tiny_config
 from longhorizon.train.policy_losses import LossOptions
-from longhorizon.train.update import (LearnInputs, TrainState, episode_logprobs, jit_rl_update,
-                                      make_optimizer)
-
-NUM_TASKS, GROUP = 4, 2
+from longhorizon.train.update import LearnInputs, TrainState, jit_rl_update, make_optimizer
 
 
 @dataclasses.dataclass
@@ -36,23 +30,10 @@ class Setup:
 
 
 @pytest.fixture(scope="module")
-def setup():
-  env = envs.make("pointer_chain", horizon=1)
-  codec = env.codec(style="compact")
-  keys = jax.random.split(jax.random.key(0), NUM_TASKS)
-  tasks = testing.tasks_from_keys(env, keys, "train")
-  config = rollout.RolloutConfig(group_size=GROUP, context_length=64, max_steps=3, turn_tokens=8)
-  batch, _ = rollout.collect(None, None, env, codec, tasks, keys, config, sampling_seed=0,
-                             scripted=rollout.oracle_turns(env, codec, epsilon=0.3))
-  batch = to_device(batch)
-  model_config = tiny_config(vocab_size=len(codec.tokenizer))
-  params = init_params(model_config, jax.random.key(1))
-  old_logp = jax.jit(episode_logprobs, static_argnames=("config",))(params, model_config, batch)
-  mask = np.asarray(batch.loss_mask)
-  assert mask.any(-1).all()  # every row has trained tokens
-  signs = np.tile([1.0, -1.0], NUM_TASKS * GROUP // 2)[:, None]
-  advantages = jnp.asarray(np.where(mask, signs, 0.0), jnp.float32)
-  return Setup(model_config, make_optimizer(1e-2), params, batch, old_logp, advantages, mask)
+def setup(update_batch):
+  b = update_batch
+  return Setup(b.model_config, make_optimizer(1e-2), b.params, b.batch, b.old_logp,
+               b.advantages, b.mask)
 
 
 def _fresh_state(s: Setup) -> TrainState:

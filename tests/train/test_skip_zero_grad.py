@@ -3,49 +3,20 @@ step. Plain Adam moves the parameters on a zero gradient (its momentum), which i
 SmolLM2 attempt showed (approx KL 0.002-0.009 on updates whose groups all failed;
 experiments/results/smollm2_lora/attempt_2026-12-05/README.md).
 
-The update test uses a tiny hand-built setup like `test_nonfinite.py`'s (2-layer model,
-pointer_chain's compact vocabulary, 8 scripted episodes).
+The update test uses the scripted batch of `tests/train/conftest.py::update_batch` (2-layer
+model, pointer_chain's compact vocabulary, 8 episodes), as `test_nonfinite.py` does.
 """
-
-import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from longhorizon import envs, rollout
-from longhorizon.core.episode import to_device
-from longhorizon.envs import testing
-from longhorizon.models import init_params, tiny_config
 from longhorizon.train.policy_losses import LossOptions
-from longhorizon.train.update import (LearnInputs, TrainState, episode_logprobs, jit_rl_update,
-                                      make_optimizer)
+from longhorizon.train.update import LearnInputs, TrainState, jit_rl_update, make_optimizer
 
 LR = 0.1
 _LOSS = LossOptions(agg="token-mean", clip_high=0.2)
-
-
-@pytest.fixture(scope="module")
-def setup():
-  """8 scripted pointer_chain episodes (4 tasks x 2), a tiny model, its log-probs, and advantages
-  +1 / -1 per group member on the loss mask (as in test_nonfinite.py)."""
-  env = envs.make("pointer_chain", horizon=1)
-  codec = env.codec(style="compact")
-  keys = jax.random.split(jax.random.key(0), 4)
-  tasks = testing.tasks_from_keys(env, keys, "train")
-  config = rollout.RolloutConfig(group_size=2, context_length=64, max_steps=3, turn_tokens=8)
-  batch, _ = rollout.collect(None, None, env, codec, tasks, keys, config, sampling_seed=0,
-                             scripted=rollout.oracle_turns(env, codec, epsilon=0.3))
-  batch = to_device(batch)
-  model_config = tiny_config(vocab_size=len(codec.tokenizer))
-  params = init_params(model_config, jax.random.key(1))
-  old_logp = jax.jit(episode_logprobs, static_argnames=("config",))(params, model_config, batch)
-  mask = np.asarray(batch.loss_mask)
-  signs = np.tile([1.0, -1.0], 4)[:, None]
-  advantages = jnp.asarray(np.where(mask, signs, 0.0), jnp.float32)
-  return types.SimpleNamespace(model_config=model_config, params=params, batch=batch,
-                               old_logp=old_logp, advantages=advantages)
 
 
 def _steps(optimizer, params, grads_seq):
@@ -108,10 +79,11 @@ def _state(s, optimizer):
 
 
 @pytest.mark.parametrize("skip", [False, True])
-def test_rl_update_on_zero_advantages(setup, skip):
+def test_rl_update_on_zero_advantages(update_batch, skip):
   """An RL update on a batch with signal, then one whose advantages are all zero: with
   `skip_zero_grad` the second leaves the parameters and the optimiser state exactly as they were;
   without it Adam's momentum still moves the parameters. The update compiles once."""
+  setup = update_batch
   optimizer = make_optimizer(1e-2, skip_zero_grad=skip)
   update = jit_rl_update(config=setup.model_config, optimizer=optimizer, critic_optimizer=None,
                          loss=_LOSS, epochs=1, minibatches=2)
