@@ -143,7 +143,8 @@ def _smoke_learner(tmp_path, changes):
 # `heavy` at collection and runs by hand only (`bash scripts/test.sh -m heavy`). On the 2-core AMD
 # EPYC the whole suite took 145.5 CPU-min (75 min on 2 workers) even with the cache and -O0 above,
 # past what CI's 90 min holds with the set-up and the main job; this list keeps ~97 CPU-min
-# (BUILD_NOTES, "Test tiers", has the measurement and what runs by hand).
+# and the credit-ablation notebook (CI took 58 min of tests in the nineteenth session; BUILD_NOTES,
+# "Test tiers", has the measurements and what runs by hand).
 _SLOW_IN_CI = frozenset([
     "tests/envs/test_code_sandbox.py::test_every_reference_solution_passes_its_hidden_tests",
     "tests/envs/test_common.py::test_finished_rows_stay_finished_and_step_does_not_retrace",
