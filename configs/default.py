@@ -80,6 +80,9 @@ def get_config(arg=None):
   config.model.lora.targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                "down_proj")
   config.model.lora.dropout = 0.0
+  # A peft adapter folder (`experiments/export.py`'s DIR/adapters, or `lora.save_adapters`) to start
+  # from instead of fresh adapters, e.g. a saved SFT warm start (then sft.steps=0); "" = fresh.
+  config.model.lora.init = ""
   # Mixture of experts. A fresh decoder with num_experts > 0 is a Qwen3-MoE (q/k norm, top-k routing
   # with renormalised weights); a checkpoint brings its own experts. `replay`: the learner routes
   # each token to the experts the sampler used (R3, recorded in EpisodeBatch.routing) instead of

@@ -2,6 +2,7 @@
 alone, the KL reference is the base model with the adapters off, the update compiles once, and
 bf16 compute keeps float32 master weights and log-probs."""
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -172,6 +173,29 @@ def test_remat_reaches_the_model_and_keeps_the_gradients(tmp_path):
     for name, value in _flat(results["none"][1]).items():
       np.testing.assert_allclose(_flat(results[remat][1])[name], value, rtol=1e-4, atol=1e-6,
                                  err_msg=f"{remat} {name}")
+
+def test_lora_init_starts_from_saved_adapters(trained, tmp_path):
+  """`model.lora.init` (a peft folder, e.g. a committed SFT warm start) gives the initial policy
+  those adapters over the same base weights: its log-probs are the trained policy's."""
+  s, _, state, _ = trained
+  folder = lora.save_adapters(tmp_path / "adapters", state.params, s.model_config)
+  resumed = _learner(tmp_path, **{"model.lora.init": str(folder)})
+  start, trained_params = _flat(resumed.initial_state().params), _flat(state.params)
+  assert set(start) == set(trained_params)
+  for name, value in trained_params.items():  # adapters and frozen base weights alike
+    np.testing.assert_array_equal(start[name], value, err_msg=name)
+  fresh = _flat(s.init_params)
+  assert any(np.abs(start[k] - fresh[k]).max() > 0 for k in start if "lora_b" in k)
+  want = hashlib.sha256((folder / "adapter_model.safetensors").read_bytes()).hexdigest()
+  assert lora.adapter_digest(folder) == want
+
+
+def test_lora_init_is_checked_before_anything_is_built(tmp_path):
+  with pytest.raises(config_lib.ConfigError, match="model.lora.init.*adapter_model.safetensors"):
+    config_lib.validate(_config(tmp_path, **{"model.lora.init": str(tmp_path)}))
+  with pytest.raises(config_lib.ConfigError, match="model.lora.init.*model.lora.rank=0"):
+    config_lib.validate(_config(tmp_path, **{"model.lora.rank": 0,
+                                             "model.lora.init": str(tmp_path)}))
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ explicit adapter leaves give one tree for training, merging, checkpoints and the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pathlib
 
@@ -37,7 +38,8 @@ from safetensors.numpy import save_file
 from longhorizon.models.config import ModelConfig
 
 __all__ = ["ADAPTER_KEYS", "is_adapter", "partition", "combine", "adapters", "base_params",
-           "base_config", "merge", "add_adapters", "save_adapters", "load_adapters"]
+           "base_config", "merge", "add_adapters", "save_adapters", "load_adapters",
+           "adapter_digest"]
 
 ADAPTER_KEYS = ("lora_a", "lora_b")
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -178,6 +180,12 @@ def save_adapters(folder, params, config: ModelConfig, base_model: str = "") -> 
       "modules_to_save": None}
   (folder / _CONFIG).write_text(json.dumps(peft_config, indent=1))
   return folder
+
+
+def adapter_digest(folder) -> str:
+  """The sha256 (hex) of a peft folder's `adapter_model.safetensors`: which adapters a run
+  started from."""
+  return hashlib.sha256((pathlib.Path(folder) / _WEIGHTS).read_bytes()).hexdigest()
 
 
 def load_adapters(folder, params, config: ModelConfig):

@@ -9,6 +9,7 @@ flags: the launcher parses the config, validates it and passes it down.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
@@ -184,6 +185,13 @@ def _check_model(m):
   if (not isinstance(targets, (list, tuple)) or not set(targets) <= set(LORA_TARGETS)
       or (m.lora.rank and not targets)):
     _fail("model.lora.targets", targets, f"a non-empty list of projections from {list(LORA_TARGETS)}")
+  init = m.lora.get("init", "")
+  if init and not m.lora.rank:
+    _fail("model.lora.init", init, "empty with model.lora.rank=0 (there are no adapters to start "
+          "from a folder)")
+  if init and not os.path.isfile(os.path.join(init, "adapter_model.safetensors")):
+    _fail("model.lora.init", init, "a peft adapter folder holding adapter_model.safetensors and "
+          "adapter_config.json (experiments/export.py writes one as DIR/adapters)")
   moe = m.moe
   if moe.num_experts and moe.experts_per_token > moe.num_experts:
     _fail("model.moe.experts_per_token", moe.experts_per_token,

@@ -169,7 +169,8 @@ def _policy(config, env) -> tuple[ModelConfig, Any, Any]:
                                        dtype=m.get("dtype", "float32"),
                                        remat=m.get("remat", "none"),
                                        decode_quant=m.get("decode_quant", "none"), **lora_fields)
-    params = lora.add_adapters(params, model_config, key(config.seed, 1))
+    params = _initial_adapters(lora.add_adapters(params, model_config, key(config.seed, 1)),
+                               model_config, m)
     return model_config, params, env.codec(tokenizer, config.env.style)
   codec = env.codec(None, config.env.style)
   moe_fields = {}
@@ -186,7 +187,21 @@ def _policy(config, env) -> tuple[ModelConfig, Any, Any]:
       decode_kernel=m.decode_kernel, decode_quant=m.get("decode_quant", "none"),
       remat=m.get("remat", "none"), **lora_fields,
       **moe_fields)
-  return model_config, init_params(model_config, key(config.seed, 1)), codec
+  return model_config, _initial_adapters(init_params(model_config, key(config.seed, 1)),
+                                         model_config, m), codec
+
+
+def _initial_adapters(params, model_config: ModelConfig, m):
+  """`params` with the adapters of the peft folder `model.lora.init` (a `save_adapters` or
+  `experiments/export.py` output: e.g. a committed SFT warm start) in place of the fresh ones
+  (A random, B zero); unchanged when the field is empty."""
+  folder = m.lora.get("init", "") if "lora" in m else ""
+  if not folder:
+    return params
+  params = lora.load_adapters(folder, params, model_config)
+  logging.info("LoRA adapters from %s (adapter_model.safetensors sha256 %s).", folder,
+               lora.adapter_digest(folder))
+  return params
 
 
 def _task_suites(config, env) -> tuple[Any, dict]:

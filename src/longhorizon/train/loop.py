@@ -202,8 +202,10 @@ def new_run(s: Learner, state: TrainState, config, workdir: str | None = None
 # Fields that decide the policy's parameter shapes and vocabulary: a run started from another run's
 # checkpoint (`start_from`) must agree with it on these.
 _PARAMETER_FIELDS = ("model.", "env.name", "env.style")
-# Model fields that change how the parameters are computed with, not what they are.
-_COMPUTE_FIELDS = ("model.remat", "model.decode_kernel", "model.decode_quant", "model.lora.dropout")
+# Model fields that change how the parameters are computed with, not what they are (and
+# `model.lora.init`, which only chooses the starting adapters: a checkpoint's replace them).
+_COMPUTE_FIELDS = ("model.remat", "model.decode_kernel", "model.decode_quant", "model.lora.dropout",
+                   "model.lora.init")
 
 
 def start_from(s: Learner, state: TrainState, source: str, step: int | None = None

@@ -51,7 +51,7 @@ MUTABLE = ("num_updates", "eval.", "progress", "tensorboard", "checkpoint_every"
 # them: a saved config without such a field resumes when the new value is this one.
 ADDED_FIELDS: dict[str, Any] = {
     "model.decode_quant": "none", "model.remat": "none", "eval.greedy": True, "optim.share_prefix": 0,
-    "model.lora.rank": 0, "model.lora.alpha": 16.0, "model.lora.dropout": 0.0,
+    "model.lora.rank": 0, "model.lora.alpha": 16.0, "model.lora.dropout": 0.0, "model.lora.init": "",
     "model.lora.targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                            "down_proj"],
     "model.moe.num_experts": 0, "model.moe.experts_per_token": 2,
