@@ -1,6 +1,6 @@
 r"""Exports a training run's policy as HuggingFace folders.
 
-    python experiments/export.py --workdir=WORKDIR --out=DIR [--step=N]
+    python experiments/export.py --workdir=WORKDIR --out=DIR [--step=N] [--adapters_only]
 
 Writes, from the run's latest checkpoint (or `--step`):
   DIR/merged/    a plain HF model (config.json, model.safetensors, tokenizer files): with LoRA, the
@@ -10,6 +10,9 @@ Writes, from the run's latest checkpoint (or `--step`):
   DIR/base/      the base model they apply to (the run's frozen weights), so that
                  `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(DIR/base),
                  DIR/adapters)` computes DIR/merged.
+With `--adapters_only` (LoRA runs) only DIR/adapters/ is written: the folder
+`--config.model.lora.init` starts a new run from (e.g. a saved SFT warm start, a few MB where a
+training checkpoint holds the frozen base weights too).
 The run is rebuilt from its saved config (`Learner.build`), as evaluate.py does.
 """
 
@@ -33,6 +36,8 @@ from longhorizon.train.learner import Learner
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (config.json, checkpoints/).")
 _OUT = flags.DEFINE_string("out", None, "Output folder (merged/, and adapters/ + base/ for LoRA).")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest that restores).")
+_ADAPTERS_ONLY = flags.DEFINE_bool("adapters_only", False, "LoRA runs: write DIR/adapters/ alone "
+                                   "(no merged model, no base copy).")
 flags.mark_flags_as_required(["workdir", "out"])
 
 
@@ -54,8 +59,15 @@ def restore_policy(workdir: str, step: int | None = None):
   return learner, jax.device_get(state.params), meta
 
 
-def export(learner: Learner, params, out: str) -> dict[str, str]:
-  """Writes the merged model (and for LoRA the adapters and their base); returns the folders."""
+def export(learner: Learner, params, out: str, adapters_only: bool = False) -> dict[str, str]:
+  """Writes the merged model (and for LoRA the adapters and their base), or with `adapters_only`
+  the adapters alone; returns the folders."""
+  if adapters_only:
+    if not learner.model_config.lora_rank:
+      raise app.UsageError("--adapters_only: the run has no LoRA adapters (model.lora.rank is 0).")
+    return {"adapters": str(lora.save_adapters(os.path.join(out, "adapters"), params,
+                                               learner.model_config,
+                                               base_model=learner.config.model.checkpoint))}
   tokenizer = learner.codec.tokenizer
   tokenizer = tokenizer if hasattr(tokenizer, "save_pretrained") else None
   config = learner.model_config
@@ -75,7 +87,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logs.setup()
   learner, params, meta = restore_policy(_WORKDIR.value, _STEP.value)
-  folders = export(learner, params, _OUT.value)
+  folders = export(learner, params, _OUT.value, _ADAPTERS_ONLY.value)
   logging.info("Exported %s (update %s): %s", _WORKDIR.value, meta.get("update"), folders)
   print(json.dumps(folders, indent=1))
 

@@ -1,5 +1,5 @@
 """experiments/export.py on a LoRA run: the merged HF model computes the run's policy, and the
-adapters on the exported base compute the same."""
+adapters on the exported base compute the same, and `--adapters_only` writes those adapters alone."""
 
 import json
 import pathlib
@@ -61,3 +61,11 @@ def test_export_of_a_lora_run(tmp_path):
   np.testing.assert_allclose(
       np.asarray(Transformer(config).apply({"params": adapted}, tokens).logits), want, atol=1e-5)
   assert base_config.lora_rank == 0
+
+  # --adapters_only writes the same adapters and nothing else.
+  subprocess.run([sys.executable, str(ROOT / "experiments" / "export.py"), f"--workdir={workdir}",
+                  f"--out={tmp_path / 'only'}", "--adapters_only"], check=True,
+                 capture_output=True, timeout=600)
+  assert sorted(p.name for p in (tmp_path / "only").iterdir()) == ["adapters"]
+  assert lora.adapter_digest(tmp_path / "only" / "adapters") == lora.adapter_digest(
+      out / "adapters")
