@@ -95,9 +95,10 @@ def test_rl_update_on_zero_advantages(update_batch, skip):
     return jax.device_get(new), jax.device_get(metrics)
 
   first, m1 = run(_state(setup, optimizer), setup.advantages)
-  assert float(m1["grad_norm"]) > 0
+  assert float(m1["grad_norm"]) > 0 and float(m1["zero_grad_fraction"]) == 0.0
   second, m2 = run(first, jnp.zeros_like(setup.advantages))
   assert float(m2["grad_norm"]) == 0.0
+  assert float(m2["zero_grad_fraction"]) == 1.0  # both minibatches' steps: counted (and skipped)
   moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(first.params),
                                                      jax.tree.leaves(second.params))]
   if skip:
@@ -106,6 +107,9 @@ def test_rl_update_on_zero_advantages(update_batch, skip):
   else:
     assert all(moved)
   assert int(second.skipped) == 0  # not the non-finite counter
+  # Signal in one row alone: one of the two minibatches has a zero gradient.
+  _, m3 = run(second, jnp.zeros_like(setup.advantages).at[0].set(setup.advantages[0]))
+  assert float(m3["zero_grad_fraction"]) == 0.5
   assert update._cache_size() == 1
 
 

@@ -4,7 +4,9 @@
 order drawn from the state's rng); `jit_rl_update(...)` jits it with its static parts closed over
 (model config, optimisers, `LossOptions`, temperature, schedule) and, on a mesh, explicit
 `in_shardings` / `out_shardings`; the state is donated. A step whose loss or gradient is not finite
-is skipped (parameters and optimiser state unchanged) and counted in `skipped_updates`.
+is skipped (parameters and optimiser state unchanged) and counted in `skipped_updates`; the
+fraction of steps whose policy gradient is exactly zero is `zero_grad_fraction` (the steps
+`make_optimizer(skip_zero_grad=True)` leaves out).
 
 With LoRA (`ModelConfig.lora_rank > 0`) only the adapters are differentiated and optimised
 (`lora.partition`): the optimiser state covers them alone, the frozen weights get no gradient, and
@@ -296,7 +298,11 @@ def _minibatch_step(state: TrainState, mb, *, config, optimizer, critic_optimize
     metrics["critic_grad_norm"] = _norm(cgrads)
   trainable, opt_state = _apply(optimizer, trainable, state.opt_state, grads, ok)
   params = lora.combine(trainable, frozen)
-  metrics = dict(metrics, loss=value, grad_norm=_norm(grads))
+  grad_norm = _norm(grads)
+  # 1 when the policy gradient is exactly zero (every group of the minibatch had one outcome):
+  # averaged over the update, the fraction of steps `optim.skip_zero_grad` leaves out.
+  metrics = dict(metrics, loss=value, grad_norm=grad_norm,
+                 zero_grad_fraction=(grad_norm == 0).astype(jnp.float32))
   if critic_optimizer is not None and not shared_critic:
     critic = functools.partial(_critic_loss, config=config, loss=loss)
     (cvalue, cmetrics), cgrads = jax.value_and_grad(critic, has_aux=True)(critic_params, mb)
