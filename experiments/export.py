@@ -11,8 +11,9 @@ Writes, from the run's latest checkpoint (or `--step`):
                  `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(DIR/base),
                  DIR/adapters)` computes DIR/merged.
 With `--adapters_only` (LoRA runs) only DIR/adapters/ is written: the folder
-`--config.model.lora.init` starts a new run from (e.g. a saved SFT warm start: the adapters alone, where a
-training checkpoint holds the frozen base weights too: 19.6 MB against ~540 MB for SmolLM2).
+`--config.model.lora.init` starts a new run from (e.g. a saved SFT warm start: the adapters
+alone, where a training checkpoint holds the frozen base weights too: 19.6 MB against ~540 MB
+for SmolLM2).
 The run is rebuilt from its saved config (`Learner.build`), as evaluate.py does.
 """
 
