@@ -20,6 +20,7 @@ is cheap beside a sampled evaluation; `--eval_tasks=0` runs the probe alone:
         --eval_at=1,2,3 --eval_tasks=0 --probe_tasks=32
 """
 
+import dataclasses
 import json
 import os
 import time
@@ -32,7 +33,6 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-from longhorizon import rollout
 from longhorizon.core import episode as episode_lib
 from longhorizon.envs import tasks as task_suites
 from longhorizon.eval import choice_probe
@@ -70,10 +70,8 @@ def _probe_setup(s, config, n):
     choice_ids.append(ids[len(marker):])
   source = s.eval_tasks.get(config.eval.split, s.train_tasks)
   n = min(n, len(source))
-  batch, _ = rollout.collect(
-      None, None, s.env, s.codec, task_suites.stack(source, range(n)),
-      jax.random.split(jax.random.key(config.seed + 1), n), s.collect_config(group_size=1),
-      sampling_seed=0, scripted=rollout.oracle_turns(s.env, s.codec, 0.0, seed=config.seed))
+  batch, _ = s.oracle_episodes(task_suites.stack(source, range(n)),
+                               jax.random.key(config.seed + 1))
   if not np.asarray(batch.success).all():
     logging.warning("probe: only %.2f of the oracle episodes succeed.",
                     float(np.mean(batch.success)))
@@ -87,8 +85,11 @@ def _probe(s, params, batch, marker, choice_ids, names):
     part = jax.tree.map(lambda a: np.asarray(a)[lo:lo + rows], batch)
     part = s.trimmed(part)
     logp = np.asarray(jax.device_get(s.logprobs(params, episode_lib.to_device(part))))
-    for h in choice_probe.choice_logprobs(part.tokens, part.loss_mask, logp, marker, choice_ids):
-      hits.append(choice_probe.ChoiceHit(h.row + lo, h.start, h.choice, h.logprob))
+    hits += [dataclasses.replace(h, row=h.row + lo) for h in choice_probe.choice_logprobs(
+        part.tokens, part.loss_mask, logp, marker, choice_ids)]
+  if not hits:
+    raise app.UsageError(f"--probe_marker {_PROBE_MARKER.value!r} followed by one of "
+                         f"--probe_choices {list(names)} occurs in no oracle action.")
   return choice_probe.summarize(hits, names)
 
 
@@ -98,7 +99,7 @@ def main(argv):
   eval_at = sorted({int(x) for x in _EVAL_AT.value})
   if not eval_at or eval_at[0] < 1:
     raise app.UsageError(f"--eval_at must name SFT steps >= 1, got {_EVAL_AT.value}.")
-  sample_at = {int(x) for x in _SAMPLE_AT.value}
+  sample_at = {int(x) for x in _SAMPLE_AT.value} or set(eval_at)
   if not sample_at <= set(eval_at):
     raise app.UsageError(f"--sample_at {sorted(sample_at)} must be among --eval_at {eval_at}.")
   config.sft.steps = eval_at[-1]
@@ -121,7 +122,7 @@ def main(argv):
       return
     row = {"sft_step": step, "sft_nll": float(metrics["sft_nll"]),
            "sft_token_accuracy": float(metrics["sft_token_accuracy"])}
-    if _EVAL_TASKS.value and (not _SAMPLE_AT.value or step in sample_at):
+    if _EVAL_TASKS.value and step in sample_at:
       began = time.perf_counter()
       report = s.evaluate(params, config.eval.split, _EVAL_TASKS.value,
                           temperature=s.rollout.temperature, seed=loop.eval_seed(config))

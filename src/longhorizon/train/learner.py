@@ -602,11 +602,8 @@ class Learner:
     if c.sft.get("store"):
       batch = stored_demonstrations(c.sft.store, n, c.rollout.context_length, c.env.max_steps)
     else:
-      batch, demo_stats = rollout.collect(
-          None, None, self.env, self.codec, self.tasks_at(0, n),
-          jax.random.split(key(c.seed, 4), n),
-          self.collect_config(group_size=1), sampling_seed=0,
-          scripted=rollout.oracle_turns(self.env, self.codec, c.sft.demo_epsilon, seed=c.seed))
+      batch, demo_stats = self.oracle_episodes(self.tasks_at(0, n), key(c.seed, 4),
+                                               c.sft.demo_epsilon)
       segments = demo_stats.segments
     logging.info("SFT: %d demonstration episodes in %.1f s (success %.2f, %.1f steps and %.0f "
                  "tokens each).", n, time.perf_counter() - start, float(batch.success.mean()),
@@ -640,6 +637,16 @@ class Learner:
     metrics = {k: float(v) for k, v in metrics.items()}
     # `sft_update` donated `sft_state` (and the buffers it shared with `state`): continue from it.
     return sft_state.replace(opt_state=self.init_opt_state(sft_state.params)), metrics
+
+  def oracle_episodes(self, tasks, rng, epsilon: float = 0.0):
+    """`rollout.collect`'s `(batch, stats)` of the environment's oracle on `tasks` (one episode
+    each, env keys split from `rng`; with `epsilon` a noisy demonstrator, `rollout.oracle_turns`):
+    SFT demonstrations, or teacher-forced probes."""
+    n = len(jax.tree.leaves(tasks)[0])
+    return rollout.collect(
+        None, None, self.env, self.codec, tasks, jax.random.split(rng, n),
+        self.collect_config(group_size=1), sampling_seed=0,
+        scripted=rollout.oracle_turns(self.env, self.codec, epsilon, seed=self.config.seed))
 
   def dpo(self, state: TrainState, batch, pairs, opts) -> tuple[TrainState, dict]:
     """`opts.steps` passes of `dpo_update` (`PreferenceOptions` `opts`) over the preference `pairs`
