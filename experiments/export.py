@@ -83,10 +83,24 @@ def export(learner: Learner, params, out: str, adapters_only: bool = False) -> d
   return folders
 
 
+def _require_adapters(workdir: str) -> None:
+  """`--adapters_only` on a run without LoRA is refused from its saved config, before the
+  checkpoint (for SmolLM2 ~540 MB) is read."""
+  path = os.path.join(workdir, "config.json")
+  if os.path.isfile(path):
+    with open(path) as f:
+      rank = json.load(f).get("model", {}).get("lora", {}).get("rank", 0)
+    if not rank:
+      raise app.UsageError(f"--adapters_only: the run in {workdir} has no LoRA adapters "
+                           "(model.lora.rank is 0).")
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logs.setup()
+  if _ADAPTERS_ONLY.value:
+    _require_adapters(_WORKDIR.value)
   learner, params, meta = restore_policy(_WORKDIR.value, _STEP.value)
   folders = export(learner, params, _OUT.value, _ADAPTERS_ONLY.value)
   logging.info("Exported %s (update %s): %s", _WORKDIR.value, meta.get("update"), folders)

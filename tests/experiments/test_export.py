@@ -69,3 +69,19 @@ def test_export_of_a_lora_run(tmp_path):
   assert sorted(p.name for p in (tmp_path / "only").iterdir()) == ["adapters"]
   assert lora.adapter_digest(tmp_path / "only" / "adapters") == lora.adapter_digest(
       out / "adapters")
+
+
+def test_adapters_only_refuses_a_run_without_lora(tmp_path):
+  """A run whose saved config has `model.lora.rank` 0 is refused by name from config.json alone:
+  this workdir has no checkpoint, so without the check the script would fail on that instead."""
+  from longhorizon.studies import sweeps
+  from longhorizon.train import workdir as workdir_lib
+  config = sweeps.config_module(str(ROOT / "configs" / "default.py")).get_config()
+  assert config.model.lora.rank == 0
+  workdir_lib.save_config(str(tmp_path), config, 0, {})
+  result = subprocess.run([sys.executable, str(ROOT / "experiments" / "export.py"),
+                           f"--workdir={tmp_path}", f"--out={tmp_path / 'out'}", "--adapters_only"],
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode != 0
+  assert "--adapters_only: the run in" in result.stderr and "model.lora.rank is 0" in result.stderr
+  assert not (tmp_path / "out").exists()
