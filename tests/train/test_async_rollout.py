@@ -263,7 +263,7 @@ def test_actor_errors_reach_the_learner():
 # --------------------------------------------------------------------- real runs (tiny model)
 
 def _comparable(rows):
-  timing = lambda k: (k.startswith(("time", "rollout/", "async/")) or k.endswith("_s")
+  timing = lambda k: (k.startswith(("time", "memory", "rollout/", "async/")) or k.endswith("_s")
                       or "per_s" in k)
   return [{k: v for k, v in r.items() if not timing(k)} for r in rows]
 

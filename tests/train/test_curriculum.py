@@ -296,6 +296,8 @@ def test_horizon_curriculum_runs_logs_and_checkpoints(tmp_path):
   rows = read_metrics(str(tmp_path / "run"))
   # Update 1 ran with 1 step per episode: every episode stopped after its first step.
   assert rows[0]["horizon/step_budget"] == 1.0 and rows[0]["episode_steps"] == 1.0
+  # The process's peak memory so far (getrusage), logged every update: positive, never falling.
+  assert 0 < rows[0]["memory/peak_rss_gb"] <= rows[1]["memory/peak_rss_gb"]
   _, meta = Checkpointer(str(tmp_path / "run" / "checkpoints")).restore()
   assert meta["horizon"]["budgets"] == [1, 3] and meta["horizon"]["stage"] in (0, 1)
   bad = default_config.get_config("smoke")

@@ -228,7 +228,8 @@ def test_resume_equals_uninterrupted(tmp_path):
   result = loop.train_and_evaluate(config, str(tmp_path / "resumed"))
   resumed = read_metrics(str(tmp_path / "resumed"))
   assert [r["update"] for r in resumed] == [1, 2, 3]
-  skip = lambda k: k.startswith("time") or k.endswith("_s") or "per_s" in k or k.endswith("frac")
+  skip = lambda k: (k.startswith(("time", "memory")) or k.endswith("_s") or "per_s" in k
+                    or k.endswith("frac"))
   for a, b in zip(straight, resumed):
     for k in a:
       if not skip(k):

@@ -250,3 +250,16 @@ def test_progress_shows_chosen_metrics_from_initial():
   last = text.replace("\r", "\n").strip().splitlines()[-1]
   assert "train" in last and "7/10" in last
   assert "loss=0.1235" in last and "success=0.5" in last and "kl" not in text
+
+
+def test_peak_rss_gb_counts_a_fresh_allocation():
+  """`memory/peak_rss_gb` (loop.peak_rss_gb): in a fresh process, touching 400 MB raises the peak
+  by about that much (a process-wide peak, so it is measured where nothing larger came before)."""
+  import subprocess
+  import sys
+  code = ("import numpy as np; from longhorizon.train.loop import peak_rss_gb; a = peak_rss_gb(); "
+          "x = np.ones(50_000_000); b = peak_rss_gb(); print(a, b)")
+  before, after = map(float, subprocess.run([sys.executable, "-c", code], check=True,
+                                            capture_output=True, text=True,
+                                            timeout=300).stdout.split())
+  assert 0.05 < before < after and 0.35 < after - before < 0.45

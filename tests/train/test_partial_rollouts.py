@@ -111,7 +111,7 @@ def test_partial_async_with_max_staleness_zero_equals_sync(tmp_path, smoke_confi
   (with either cache choice) change nothing, and the run equals the synchronous one."""
   changes = {"reward.invalid": 0.1, "num_updates": 2, "eval.num_tasks": 8, "tensorboard": False}
   loop.train_and_evaluate(smoke_config(tmp_path, **changes), str(tmp_path / "sync"))
-  timing = lambda k: k.startswith(("time", "rollout/", "async/")) or k.endswith("_s") \
+  timing = lambda k: k.startswith(("time", "memory", "rollout/", "async/")) or k.endswith("_s") \
       or "per_s" in k
   strip = lambda rows: [{k: v for k, v in r.items() if not timing(k)} for r in rows]
   expected = strip(read_metrics(str(tmp_path / "sync")))

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import time
 
 from absl import logging
@@ -352,6 +353,7 @@ def _train_and_evaluate(s: Learner, config, workdir: str, *, hook=None, init_fro
     metrics.update(timer.split())
     metrics["update_s"] = time.perf_counter() - started
     metrics["params/bytes_per_device"] = param_bytes
+    metrics["memory/peak_rss_gb"] = peak_rss_gb()
     metrics.update(collapse_alarms(config, metrics))
     skipped_before = _warn_about(update, metrics, skipped_before)
     if config.eval.every and (update + 1) % config.eval.every == 0:
@@ -502,6 +504,11 @@ def _episodes(config, meta: dict) -> dict:
          "dpo": int(meta.get("dpo", {}).get("episodes", 0)),
          "rl": config.num_updates * config.rollout.num_tasks * config.rollout.group_size}
   return dict(out, sampled=out["dpo"] + out["rl"])
+
+
+def peak_rss_gb() -> float:
+  """This process's peak resident memory so far, in GB (`getrusage`; Linux reports KiB)."""
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
 def plot_learning_curve(workdir: str, result: dict) -> str:
