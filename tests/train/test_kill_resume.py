@@ -26,7 +26,8 @@ def _train(workdir, data_dir, cache, crash_at=None):
 
 
 def _comparable(rows):
-  timing = lambda k: k.startswith(("time", "memory", "rollout/")) or k.endswith("_s") or "per_s" in k
+  timing = lambda k: (k.startswith(("time", "memory", "rollout/")) or k.endswith("_s")
+                      or "per_s" in k)
   return [{k: v for k, v in r.items() if not timing(k)} for r in rows]
 
 

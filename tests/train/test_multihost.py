@@ -131,7 +131,8 @@ def _final(stdout: str) -> str:
 
 
 def _without_timing(row: dict) -> dict:
-  timing = lambda k: k.startswith(("time", "memory", "rollout/")) or k.endswith("_s") or "per_s" in k
+  timing = lambda k: (k.startswith(("time", "memory", "rollout/")) or k.endswith("_s")
+                      or "per_s" in k)
   return {k: v for k, v in row.items() if not timing(k)}
 
 
