@@ -254,7 +254,8 @@ def test_progress_shows_chosen_metrics_from_initial():
 
 def test_peak_rss_gb_counts_a_fresh_allocation():
   """`memory/peak_rss_gb` (loop.peak_rss_gb): in a fresh process, touching 400 MB raises the peak
-  by about that much (a process-wide peak, so it is measured where nothing larger came before)."""
+  by about that much (a process-wide peak, so it is measured where nothing larger came before;
+  the child of a large pytest worker must not report the worker's peak, as `ru_maxrss` does)."""
   import subprocess
   import sys
   code = ("import numpy as np; from longhorizon.train.loop import peak_rss_gb; a = peak_rss_gb(); "

@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import sys
 import time
 
 from absl import logging
@@ -507,8 +508,18 @@ def _episodes(config, meta: dict) -> dict:
 
 
 def peak_rss_gb() -> float:
-  """This process's peak resident memory so far, in GB (`getrusage`; Linux reports KiB)."""
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+  """This process's peak resident memory so far, in GB: Linux's `VmHWM` (the address space's own
+  high-water mark; `getrusage`'s `ru_maxrss` survives exec, so a child of a large process would
+  report its parent's peak), else `getrusage` (kilobytes on Linux, bytes on macOS)."""
+  try:
+    with open("/proc/self/status", encoding="ascii") as f:
+      for line in f:
+        if line.startswith("VmHWM:"):
+          return int(line.split()[1]) * 1024 / 1e9
+  except OSError:
+    pass
+  maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  return maxrss / 1e9 if sys.platform == "darwin" else maxrss * 1024 / 1e9
 
 
 def plot_learning_curve(workdir: str, result: dict) -> str:
