@@ -1,5 +1,6 @@
 """LoRA in the learner: only the adapters train (SFT and RL), the optimiser holds state for them
-alone, the KL reference is the base model with the adapters off, the update compiles once, and
+alone, the KL reference is the base model with the adapters off (or the frozen warm-start
+adapters), the update compiles once, and
 bf16 compute keeps float32 master weights and log-probs."""
 
 import hashlib
@@ -99,6 +100,42 @@ def test_kl_reference_is_the_base_model_with_adapters_off(trained):
   mask = np.asarray(db.loss_mask)
   assert np.abs((policy - ref) * mask).max() > 1e-3  # the trained adapters moved the policy
   assert all(m["kl_ref"] > 0 for m in metrics[1:])
+
+
+@pytest.mark.slow  # SFT and two RL updates of a second LoRA learner
+def test_kl_reference_warm_start_freezes_the_adapters_alone(tmp_path):
+  """`loss.kl_reference="warm_start"` with LoRA: the frozen copy is the warm-start adapters
+  alone, their log-probs on the shared base equal the warm-start policy's before RL and stay
+  equal to them after updates that move the policy; the base-model reference differs."""
+  s = _learner(tmp_path, **{"loss.kl_reference": "warm_start"})
+  warm = s.warm_start(s.initial_state())[0]
+  state = s.with_reference(warm)
+  assert set(_flat(state.ref_params)) == set(_flat(lora.adapters(warm.params)))
+  ref_size = sum(int(np.size(x)) for x in jax.tree.leaves(state.ref_params))
+  total = sum(int(np.size(x)) for x in jax.tree.leaves(state.params))
+  assert ref_size < total / 5  # adapters, not a second copy of the weights
+  batch, _ = s.collect_batch(warm.params, 5, 40, Timer())
+  db = to_device(s.trimmed(batch))
+  mask = np.asarray(db.loss_mask, bool)
+  warm_logp = np.asarray(s.logprobs(warm.params, db))
+  np.testing.assert_allclose(np.asarray(s.reference_logprobs(state, db))[mask], warm_logp[mask],
+                             atol=1e-6)
+  base = np.asarray(_logprobs(lora.base_params(warm.params), db,
+                              config=lora.base_config(s.model_config),
+                              temperature=s.rollout.temperature))
+  assert np.abs(base - warm_logp)[mask].max() > 1e-3  # SFT moved the adapters off the base
+  state = jax.device_get(state)
+  timer, metrics = Timer(), []
+  for update in range(2):
+    state, m = s.step(state, update, 16 + 4 * update, timer)
+    metrics.append(m)
+  np.testing.assert_allclose(np.asarray(s.reference_logprobs(state, db))[mask],
+                             warm_logp[mask], atol=1e-6)  # frozen: still the warm start
+  moved = np.asarray(s.logprobs(state.params, db))
+  assert np.abs(moved - warm_logp)[mask].max() > 1e-3
+  # RL stays nearer the warm start than the base model is: the KL term pulls towards the former
+  assert np.abs(moved - warm_logp)[mask].mean() < np.abs(moved - base)[mask].mean() / 4
+  assert all(m["kl_ref"] > 0 for m in metrics)
 
 
 def test_lora_update_is_traced_once(trained, assert_no_retrace):

@@ -115,7 +115,7 @@ def test_fields_added_since_a_run_started_resume_at_their_old_behaviour(tmp_path
                "time_discount", "time_source", "step_verifier", "verifier_weight",
                "part_weights", "critic"):
     del saved["algorithm"][name]
-  del saved["loss"]["reuse_behaviour_logprobs"]
+  del saved["loss"]["reuse_behaviour_logprobs"], saved["loss"]["kl_reference"]
   del saved["rollout"]["branch_k"], saved["rollout"]["branch_at"], saved["rollout"]["record_oracle"]
   del saved["curriculum"]["step_budgets"], saved["curriculum"]["grow_at"]
   del saved["rollout"]["share_prompts"], saved["optim"]["share_prefix"]

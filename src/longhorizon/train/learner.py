@@ -350,16 +350,25 @@ class Learner:
 
   def with_reference(self, state: TrainState) -> TrainState:
     """Freezes a copy of the current (warm-start) policy as the KL reference when the KL is on.
-    With LoRA nothing is copied: the reference is the base model, the adapters switched off
-    (`reference_logprobs`)."""
-    if self.loss.kl_coef > 0 and not self.model_config.lora_rank:
+    With LoRA nothing is copied by default (`loss.kl_reference="auto"`): the reference is the
+    base model, the adapters switched off (`reference_logprobs`); with
+    `loss.kl_reference="warm_start"` a copy of the adapters alone is frozen."""
+    if not self.loss.kl_coef > 0:
+      return state
+    if not self.model_config.lora_rank:
       return state.replace(ref_params=jax.tree.map(jnp.copy, state.params))
+    if self.loss.kl_reference == "warm_start":
+      return state.replace(ref_params=jax.tree.map(jnp.copy, lora.adapters(state.params)))
     return state
 
   def reference_logprobs(self, state: TrainState, db):
-    """The KL reference's `[B, L]` log-probs of `db`: the frozen copy in `state.ref_params`, or
-    with LoRA the base model (`lora.base_params` under `lora.base_config`: the same frozen arrays,
-    no adapters); None when the KL is off (and no reference was frozen)."""
+    """The KL reference's `[B, L]` log-probs of `db`: the frozen copy in `state.ref_params` (with
+    LoRA: frozen adapters, put on the policy's own base weights), or with LoRA the base model
+    (`lora.base_params` under `lora.base_config`: the same frozen arrays, no adapters); None when
+    the KL is off (and no reference was frozen)."""
+    if state.ref_params is not None and self.model_config.lora_rank:
+      base = lora.partition(state.params, self.model_config)[1]
+      return self.logprobs(lora.combine(state.ref_params, base), db)
     if state.ref_params is not None:
       return self.logprobs(state.ref_params, db)
     if self.model_config.lora_rank and self.loss.kl_coef > 0:

@@ -69,6 +69,11 @@ class LossOptions(Options):
   gspo_clip_high: float = option(4e-4, range=NON_NEGATIVE)
   kl_coef: float = option(0.0, range=NON_NEGATIVE)  # > 0: a frozen warm-start reference policy
   kl_kind: str = option("k3", choices=KL_ESTIMATORS)
+  # The policy the KL is taken to. "auto": a frozen copy of the warm-start policy, or with LoRA
+  # the base model with the adapters off (no copy at all). "warm_start": the warm-start policy in
+  # both cases; with LoRA a frozen copy of the adapters alone, on the shared base weights (the
+  # reference for a run whose warm start lives in the adapters: the base cannot do the task).
+  kl_reference: str = option("auto", choices=("auto", "warm_start"))
   entropy_coef: float = option(0.0, range=NON_NEGATIVE)
   # ppo_clip / gspo: truncation C of the behaviour-to-proximal weight (0 = off); tis: its C (> 0).
   tis_threshold: float = option(0.0, range=Range(float, 0, note="0 = off"))

@@ -59,6 +59,7 @@ ADDED_FIELDS: dict[str, Any] = {
     "algorithm.unit": "token", "algorithm.vapo_length": "tokens", "algorithm.step_lam": 1.0,
     "algorithm.empg": False, "algorithm.empg_k": 1.0, "algorithm.empg_k_future": 1.0,
     "algorithm.empg_zeta": 0.05, "loss.reuse_behaviour_logprobs": False,
+    "loss.kl_reference": "auto",
     "rollout.branch_k": 0, "rollout.branch_at": "uniform", "algorithm.time_discount": 0.0,
     "algorithm.time_source": "latency", "algorithm.step_verifier": "",
     "algorithm.verifier_weight": 0.5, "rollout.record_oracle": False,
