@@ -367,8 +367,7 @@ class Learner:
     (`lora.base_params` under `lora.base_config`: the same frozen arrays, no adapters); None when
     the KL is off (and no reference was frozen)."""
     if state.ref_params is not None and self.model_config.lora_rank:
-      base = lora.partition(state.params, self.model_config)[1]
-      return self.logprobs(lora.combine(state.ref_params, base), db)
+      return self.logprobs(lora.combine(state.ref_params, lora.base_params(state.params)), db)
     if state.ref_params is not None:
       return self.logprobs(state.ref_params, db)
     if self.model_config.lora_rank and self.loss.kl_coef > 0:
