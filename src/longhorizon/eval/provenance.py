@@ -21,13 +21,19 @@ PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy", "orbax-checkpoint", "ml-c
 
 
 def _git(*args: str) -> str | None:
+  """`git ARGS` run beside this file; None outside a checkout or without git. A call that times
+  out (a loaded machine) is tried once more with a longer limit before giving up."""
   here = os.path.dirname(os.path.abspath(__file__))
-  try:
-    out = subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=10,
-                         check=True)
-  except (OSError, subprocess.SubprocessError):
-    return None
-  return out.stdout.strip()
+  for timeout in (15, 60):
+    try:
+      out = subprocess.run(["git", *args], cwd=here, capture_output=True, text=True,
+                           timeout=timeout, check=True)
+    except subprocess.TimeoutExpired:
+      continue
+    except (OSError, subprocess.SubprocessError):
+      return None
+    return out.stdout.strip()
+  return None
 
 
 def _version(name: str) -> str | None:
