@@ -237,9 +237,42 @@ def test_kept_warm_start_is_read_back_and_checked(tmp_path):
   other.unlock()
   other.sft.steps += 1
   assert horizon.warm_fingerprint(other) != info["fingerprint"]
-  with pytest.raises(ValueError, match=r"pointer_chain_N2_s0.json: a warm start of other settings"):
-    horizon.load_warm_start(path, learner.initial_state().params, horizon.warm_fingerprint(other))
+  with pytest.raises(ValueError, match=r"pointer_chain_N2_s0.json: a warm start of other settings"
+                                       r".* fields that differ .* sft.steps: \d+ -> \d+"):
+    horizon.load_warm_start(path, learner.initial_state().params, other)
   data = open(path + ".npz", "rb").read()
   open(path + ".npz", "wb").write(data[:len(data) // 2])
   with pytest.raises(ValueError, match=r"pointer_chain_N2_s0.npz: unreadable warm start"):
-    horizon.load_warm_start(path, learner.initial_state().params, info["fingerprint"])
+    horizon.load_warm_start(path, learner.initial_state().params,
+                            horizon.cell_config(config, "pointer_chain", 2, "grpo", 0))
+
+
+def test_a_config_field_added_later_at_its_old_behaviour_keeps_warm_starts():
+  """A field registered in ADDED_FIELDS and left at its registered value is not part of the warm
+  start's settings (a kept warm start made before the field existed still matches); set to
+  anything else, it is, and the fingerprint changes."""
+  from longhorizon.train import workdir  # pylint: disable=g-import-not-at-top
+  config = horizon.cell_config(_config("smoke"), "pointer_chain", 2, "grpo", 0)
+  settings = horizon.warm_settings(config)
+  assert "optim.skip_zero_grad" not in settings and "loss.kl_reference" not in settings
+  assert workdir.ADDED_FIELDS["optim.skip_zero_grad"] is False
+  assert settings["sft.steps"] == config.sft.steps and "num_updates" not in settings
+  changed = horizon.cell_config(_config("smoke"), "pointer_chain", 2, "grpo", 0)
+  changed.unlock()
+  changed.optim.skip_zero_grad = True
+  assert horizon.warm_settings(changed)["optim.skip_zero_grad"] is True
+  assert horizon.warm_fingerprint(changed) != horizon.warm_fingerprint(config)
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (
+    ROOT / "experiments/results/horizon_sweep_credit_study/warm_starts").glob("*.json")))
+def test_committed_warm_starts_match_their_cells_today(name):
+  """Each kept warm start of the credit study still matches its cell's settings under today's
+  code, so the study's resume command reads it back instead of refusing it."""
+  env, rest = name.rsplit("_N", 1)
+  horizon_n, seed = rest.split("_s")
+  info = json.loads((ROOT / "experiments/results/horizon_sweep_credit_study/warm_starts"
+                     / f"{name}.json").read_text())
+  config = horizon.cell_config(_config("credit_study"), env, int(horizon_n), "grpo", int(seed))
+  assert horizon.warm_settings(config) == info["settings"]
+  assert horizon.warm_fingerprint(config) == info["fingerprint"]

@@ -42,13 +42,14 @@ from longhorizon.eval import provenance
 from longhorizon.models import init_params
 from longhorizon.train import config as config_lib
 from longhorizon.train import learner as learner_lib
+from longhorizon.train import workdir as workdir_lib
 from longhorizon.train.learner import Learner
 from longhorizon.train.metrics import Timer
 
 __all__ = ["ALGORITHMS", "Cell", "actions_needed", "cell_config", "step_probabilities",
-           "step_accuracy", "run_cell", "run_sweep", "warm_fingerprint", "save_warm_start",
-           "load_warm_start", "read_results", "summarize", "plot_success_vs_horizon",
-           "plot_learning_curves", "plot_sample_efficiency", "plot_all", "markdown_table"]
+           "step_accuracy", "run_cell", "run_sweep", "warm_fingerprint", "warm_settings",
+           "save_warm_start", "load_warm_start", "read_results", "summarize",
+           "plot_success_vs_horizon", "plot_learning_curves", "plot_sample_efficiency", "plot_all", "markdown_table"]
 
 # Label -> config overrides. Every run shares all other hyperparameters (none is tuned per method).
 ALGORITHMS = {
@@ -204,14 +205,26 @@ def _oracle_episodes(learner: Learner):
 _NOT_IN_WARM_FINGERPRINT = ("num_updates", "progress", "tensorboard", "sweep", "tasks.data_dir")
 
 
+def warm_settings(config) -> dict:
+  """The settings a cell's warm start depends on, flat (`section.field`) and JSON-normal: the
+  config less `_NOT_IN_WARM_FINGERPRINT`, and less every field added to the config after warm
+  starts were first kept (`workdir.ADDED_FIELDS`) while it holds the value that reproduces the
+  behaviour from before it existed. So adding a config field does not orphan the kept warm starts;
+  setting it to anything else does."""
+  flat = json.loads(json.dumps(dict(_flatten(config.to_dict())), default=str))
+  added = json.loads(json.dumps(workdir_lib.ADDED_FIELDS, default=str))
+  return {k: v for k, v in flat.items()
+          if not any(k == n or k.startswith(n + ".") for n in _NOT_IN_WARM_FINGERPRINT)
+          and not (k in added and v == added[k])}
+
+
 def warm_fingerprint(config) -> str:
-  """A hash of the settings a warm start depends on (the cell's config less
-  `_NOT_IN_WARM_FINGERPRINT`)."""
-  flat = dict(_flatten(config.to_dict()))
-  for key in list(flat):
-    if any(key == k or key.startswith(k + ".") for k in _NOT_IN_WARM_FINGERPRINT):
-      del flat[key]
-  return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:16]
+  """A hash of `warm_settings(config)`."""
+  return _hash_settings(warm_settings(config))
+
+
+def _hash_settings(settings: dict) -> str:
+  return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _flatten(tree: dict, prefix: str = ""):
@@ -226,8 +239,9 @@ def warm_start_path(warm_dir: str, cell: Cell) -> str:
   return os.path.join(warm_dir, f"{cell.env}_N{cell.horizon}_s{cell.seed}")
 
 
-def save_warm_start(path: str, params, fingerprint: str, info: dict) -> None:
-  """`path.npz` (the parameters, one array per tree path) and `path.json` (`fingerprint`, `info`),
+def save_warm_start(path: str, params, config, info: dict) -> None:
+  """`path.npz` (the parameters, one array per tree path) and `path.json` (`config`'s
+  `warm_fingerprint` and `warm_settings`, and `info`),
   each written to a temporary name and renamed, so a killed sweep never leaves half a file."""
   os.makedirs(os.path.dirname(path), exist_ok=True)
   arrays = {jax.tree_util.keystr(k): np.asarray(v)
@@ -236,20 +250,30 @@ def save_warm_start(path: str, params, fingerprint: str, info: dict) -> None:
     np.savez(f, **arrays)
   os.replace(path + ".npz.tmp", path + ".npz")
   with open(path + ".json.tmp", "w") as f:
-    json.dump({"fingerprint": fingerprint, **info}, f, indent=1, sort_keys=True)
+    json.dump({"fingerprint": warm_fingerprint(config), "settings": warm_settings(config), **info},
+              f, indent=1, sort_keys=True)
   os.replace(path + ".json.tmp", path + ".json")
 
 
-def load_warm_start(path: str, template, fingerprint: str) -> tuple[Any, dict]:
+def load_warm_start(path: str, template, config) -> tuple[Any, dict]:
   """`(params, info)` from `save_warm_start`'s files, laid out as `template`. Raises ValueError
-  naming the file when its fingerprint is another config's, or it does not hold `template`'s
-  arrays (a corrupt or truncated file included)."""
+  naming the file when it was made with other `warm_settings` than `config`'s (naming the fields
+  that differ when the file records its settings), or when it does not hold `template`'s arrays (a
+  corrupt or truncated file included)."""
   with open(path + ".json") as f:
     info = json.load(f)
+  fingerprint = warm_fingerprint(config)
   if info.get("fingerprint") != fingerprint:
+    differ = ""
+    if isinstance(info.get("settings"), dict):
+      now, then = warm_settings(config), info["settings"]
+      keys = sorted(k for k in now.keys() | then.keys()
+                    if now.get(k, "<absent>") != then.get(k, "<absent>"))
+      differ = "; fields that differ (saved -> now): " + ", ".join(
+          f"{k}: {then.get(k, '<absent>')!r} -> {now.get(k, '<absent>')!r}" for k in keys[:8])
     raise ValueError(f"{path}.json: a warm start of other settings (fingerprint "
-                     f"{info.get('fingerprint')!r}, this cell's {fingerprint!r}); move it away "
-                     f"to recompute it.")
+                     f"{info.get('fingerprint')!r}, this cell's {fingerprint!r}{differ}); move it "
+                     f"away to recompute it.")
   try:
     with np.load(path + ".npz") as data:
       arrays = {k: data[k] for k in data.files}
@@ -280,7 +304,7 @@ def _warm_start(base, cell: Cell, algorithm: str, setups: dict,
   state = learner.initial_state()
   path = None if warm_dir is None else warm_start_path(warm_dir, cell)
   if path is not None and os.path.exists(path + ".json"):
-    params, info = load_warm_start(path, state.params, warm_fingerprint(config))
+    params, info = load_warm_start(path, state.params, config)
     return learner, params, info
   state, _ = learner.warm_start(state)
   return learner, jax.tree.map(jnp.copy, state.params), None
@@ -345,8 +369,7 @@ def run_cell(base, cell: Cell, algorithms: Sequence[str], *, log: Callable[[str]
     warm = _evaluate(warm_learner, warm_params, c.seed + 17)
     warm_p, _ = step_accuracy(warm_learner, warm_params, oracle)
     if warm_dir is not None:
-      save_warm_start(warm_start_path(warm_dir, cell), warm_params,
-                      warm_fingerprint(warm_learner.config),
+      save_warm_start(warm_start_path(warm_dir, cell), warm_params, warm_learner.config,
                       {"warm": warm, "warm_step_accuracy": float(warm_p),
                        "provenance": provenance.provenance()})
   log(f"{cell.env} N={cell.horizon} seed={cell.seed}: warm start success {warm['success']:.3f} "
