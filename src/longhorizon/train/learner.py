@@ -650,7 +650,7 @@ class Learner:
     """`rollout.collect`'s `(batch, stats)` of the environment's oracle on `tasks` (one episode
     each, env keys split from `rng`; with `epsilon` a noisy demonstrator, `rollout.oracle_turns`):
     SFT demonstrations, or teacher-forced probes."""
-    n = len(jax.tree.leaves(tasks)[0])
+    n = task_suites.count(tasks)
     return rollout.collect(
         None, None, self.env, self.codec, tasks, jax.random.split(rng, n),
         self.collect_config(group_size=1), sampling_seed=0,
