@@ -19,9 +19,16 @@ def test_commit_dirty_and_versions_are_this_checkouts():
   assert p["dirty"] == bool(_git("status", "--porcelain", "--untracked-files=no"))
   assert p["packages"]["jax"] == jax.__version__ and p["packages"]["numpy"] == np.__version__
   assert set(p["packages"]) == set(provenance_lib.PACKAGES) and p["cpus"] >= 1 and p["cpu"]
+  assert "git_error" not in p
 
 
 def test_outside_a_checkout_the_commit_is_unknown_not_invented(monkeypatch):
-  monkeypatch.setattr(provenance_lib, "_git", lambda *args: None)
+  monkeypatch.setattr(provenance_lib, "_git", lambda *args: (None, "no checkout here"))
   p = provenance_lib.provenance()
   assert p["commit"] is None and p["dirty"] is None and p["packages"]["jax"] == jax.__version__
+  assert p["git_error"] == "no checkout here"  # a missing commit says why
+
+
+def test_a_failing_git_call_is_reported_with_its_message(tmp_path):
+  out, error = provenance_lib._git("rev-parse", "HEAD", cwd=str(tmp_path))  # no checkout there
+  assert out is None and "rev-parse HEAD exited 128" in error and "not a git repository" in error

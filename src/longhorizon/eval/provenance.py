@@ -20,20 +20,18 @@ __all__ = ["provenance", "cpu_model", "PACKAGES"]
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy", "orbax-checkpoint", "ml-collections")
 
 
-def _git(*args: str) -> str | None:
-  """`git ARGS` run beside this file; None outside a checkout or without git. A call that times
-  out (a loaded machine) is tried once more with a longer limit before giving up."""
-  here = os.path.dirname(os.path.abspath(__file__))
-  for timeout in (15, 60):
-    try:
-      out = subprocess.run(["git", *args], cwd=here, capture_output=True, text=True,
-                           timeout=timeout, check=True)
-    except subprocess.TimeoutExpired:
-      continue
-    except (OSError, subprocess.SubprocessError):
-      return None
-    return out.stdout.strip()
-  return None
+def _git(*args: str, cwd: str | None = None) -> tuple[str | None, str | None]:
+  """`(stdout, None)` of `git ARGS` run in `cwd` (default: beside this file), or `(None, why)` when
+  it fails (outside a checkout, no git, a timeout): a result without its commit says why."""
+  here = cwd or os.path.dirname(os.path.abspath(__file__))
+  try:
+    out = subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=30,
+                         check=True)
+  except subprocess.CalledProcessError as e:
+    return None, f"git {' '.join(args)} exited {e.returncode}: {(e.stderr or '').strip()[:300]}"
+  except (OSError, subprocess.SubprocessError) as e:
+    return None, f"git {' '.join(args)}: {type(e).__name__}: {e}"
+  return out.stdout.strip(), None
 
 
 def _version(name: str) -> str | None:
@@ -56,14 +54,18 @@ def cpu_model() -> str:
 
 
 def provenance() -> dict:
-  """`{"commit", "dirty", "python", "packages", "platform", "cpu", "cpus"}`.
+  """`{"commit", "dirty", "python", "packages", "platform", "cpu", "cpus"}`, and `git_error` when
+  the commit is unknown.
 
-  `commit` is None outside a git checkout (an installed wheel); `dirty` is True when tracked files
-  differ from that commit (None when unknown): a dirty result cannot be reproduced from the
-  commit alone."""
-  commit = _git("rev-parse", "HEAD")
-  status = _git("status", "--porcelain", "--untracked-files=no") if commit else None
-  return {"commit": commit, "dirty": None if status is None else bool(status),
-          "python": sys.version.split()[0],
-          "packages": {name: _version(name) for name in PACKAGES},
-          "platform": platform.platform(), "cpu": cpu_model(), "cpus": os.cpu_count()}
+  `commit` is None outside a git checkout (an installed wheel) or when git fails, and `git_error`
+  then says why; `dirty` is True when tracked files differ from that commit (None when unknown):
+  a dirty result cannot be reproduced from the commit alone."""
+  commit, error = _git("rev-parse", "HEAD")
+  status = _git("status", "--porcelain", "--untracked-files=no")[0] if commit else None
+  out = {"commit": commit, "dirty": None if status is None else bool(status),
+         "python": sys.version.split()[0],
+         "packages": {name: _version(name) for name in PACKAGES},
+         "platform": platform.platform(), "cpu": cpu_model(), "cpus": os.cpu_count()}
+  if commit is None:
+    out["git_error"] = error
+  return out
