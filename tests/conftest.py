@@ -245,6 +245,10 @@ _SLOW_IN_CI = frozenset([
     # Back in CI (nineteenth session): its live cell now compares the committed row only on the CPU
     # it was made on; 8 min 6 s beside the SmolLM2 run, so about 4-5 min alone.
     "tests/test_notebooks.py::test_notebook_executes[credit_assignment_ablation.ipynb]",
+    # Back in CI (twenty-fourth session): a hand run of the heavy tier found its host-environment
+    # cell broken by a refactor no automatic check ran (Learner.oracle_episodes on host tasks);
+    # 72-94 s on the Zen 4 EPYC beside other work.
+    "tests/test_notebooks.py::test_notebook_executes[custom_environment.ipynb]",
 ])
 
 
