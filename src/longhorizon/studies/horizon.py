@@ -49,7 +49,8 @@ from longhorizon.train.metrics import Timer
 __all__ = ["ALGORITHMS", "Cell", "actions_needed", "cell_config", "step_probabilities",
            "step_accuracy", "run_cell", "run_sweep", "warm_fingerprint", "warm_settings",
            "save_warm_start", "load_warm_start", "read_results", "summarize",
-           "plot_success_vs_horizon", "plot_learning_curves", "plot_sample_efficiency", "plot_all", "markdown_table"]
+           "plot_success_vs_horizon", "plot_learning_curves", "plot_sample_efficiency", "plot_all",
+           "markdown_table"]
 
 # Label -> config overrides. Every run shares all other hyperparameters (none is tuned per method).
 ALGORITHMS = {
