@@ -221,10 +221,10 @@ def warm_settings(config) -> dict:
 
 def warm_fingerprint(config) -> str:
   """A hash of `warm_settings(config)`."""
-  return _hash_settings(warm_settings(config))
+  return _fingerprint(warm_settings(config))
 
 
-def _hash_settings(settings: dict) -> str:
+def _fingerprint(settings: dict) -> str:
   return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -250,9 +250,10 @@ def save_warm_start(path: str, params, config, info: dict) -> None:
   with open(path + ".npz.tmp", "wb") as f:
     np.savez(f, **arrays)
   os.replace(path + ".npz.tmp", path + ".npz")
+  settings = warm_settings(config)
   with open(path + ".json.tmp", "w") as f:
-    json.dump({"fingerprint": warm_fingerprint(config), "settings": warm_settings(config), **info},
-              f, indent=1, sort_keys=True)
+    json.dump({"fingerprint": _fingerprint(settings), "settings": settings, **info}, f, indent=1,
+              sort_keys=True)
   os.replace(path + ".json.tmp", path + ".json")
 
 
@@ -263,15 +264,14 @@ def load_warm_start(path: str, template, config) -> tuple[Any, dict]:
   corrupt or truncated file included)."""
   with open(path + ".json") as f:
     info = json.load(f)
-  fingerprint = warm_fingerprint(config)
+  settings = warm_settings(config)
+  fingerprint = _fingerprint(settings)
   if info.get("fingerprint") != fingerprint:
     differ = ""
     if isinstance(info.get("settings"), dict):
-      now, then = warm_settings(config), info["settings"]
-      keys = sorted(k for k in now.keys() | then.keys()
-                    if now.get(k, "<absent>") != then.get(k, "<absent>"))
+      diff = list(workdir_lib.config_diff(info["settings"], settings).items())
       differ = "; fields that differ (saved -> now): " + ", ".join(
-          f"{k}: {then.get(k, '<absent>')!r} -> {now.get(k, '<absent>')!r}" for k in keys[:8])
+          f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff[:8])
     raise ValueError(f"{path}.json: a warm start of other settings (fingerprint "
                      f"{info.get('fingerprint')!r}, this cell's {fingerprint!r}{differ}); move it "
                      f"away to recompute it.")
