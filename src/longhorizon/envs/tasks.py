@@ -37,7 +37,7 @@ import tensorflow_datasets as tfds
 
 from longhorizon import envs
 from longhorizon.envs.base import SPLITS
-from longhorizon.envs.types import hash_tree
+from longhorizon.envs.types import hash_tree, num_tasks
 
 __all__ = ["load", "stack", "build", "suite_name", "suite_dir", "CorruptSuiteError", "DEFAULT_SIZES",
            "default_data_dir"]
@@ -267,9 +267,7 @@ def load(env_name: str, split: str, env_params: Mapping[str, Any] | None = None,
 
 def count(tasks) -> int:
   """The number of tasks in a batch from `stack` (a pytree with a leading axis, or a list)."""
-  if isinstance(tasks, (list, tuple)):
-    return len(tasks)
-  return int(jax.tree.leaves(tasks)[0].shape[0])
+  return num_tasks(tasks)
 
 
 def difficulties(env, tasks) -> np.ndarray:

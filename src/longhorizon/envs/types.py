@@ -185,6 +185,14 @@ def to_numpy(tree):
   return jax.tree.map(leaf, tree)
 
 
+def num_tasks(tasks) -> int:
+  """The number of tasks in a batch of tasks: a pytree with a leading axis (JAX environments), or
+  a list of task dicts (host environments; a leaf's `len` would count a dict's characters)."""
+  if isinstance(tasks, (list, tuple)):
+    return len(tasks)
+  return int(jax.tree.leaves(tasks)[0].shape[0])
+
+
 def row(tree, i: int):
   """Row `i` of a batched pytree, as NumPy (for host-side codecs; keys as key data)."""
   return jax.tree.map(lambda a: a[i], to_numpy(tree))

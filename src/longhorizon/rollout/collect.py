@@ -50,7 +50,7 @@ from longhorizon.core.episode import RECOVERY, EpisodeBatch, Termination
 from longhorizon.envs import Action, Environment, action_parts
 from longhorizon.envs.base import batch_reset, batch_step, stack_actions
 from longhorizon.envs.testing import random_action
-from longhorizon.envs.types import row, to_numpy
+from longhorizon.envs.types import num_tasks, row, to_numpy
 from longhorizon.models import ModelConfig, prepare_decode_params
 from longhorizon.rollout.buffer import EpisodeBuffer
 from longhorizon.rollout.context import CONTEXT_MODES, SUMMARY_BY, Segmenter, segment_keys
@@ -279,7 +279,7 @@ def collect(params, model_config: ModelConfig, env: Environment, codec, tasks: A
       parameters computed it, or with `reprefill` computed again with the new ones.
   """
   reward, stats = env.reward_spec, RolloutStats()
-  n, g = _num_tasks(tasks), config.group_size
+  n, g = num_tasks(tasks), config.group_size
   roots = config.branch_roots
   task_of_row = np.repeat(np.arange(n), roots)
   row_ids = row_offset + (task_of_row * g + np.tile(np.arange(roots), n))  # their ids in [N*G]
@@ -525,12 +525,6 @@ def _divergence_points(batch, buffer, rows, seed, row_ids) -> np.ndarray:
 # rows, sampling seed, row ids) -> [R]` steps, each one the root took.
 BRANCH_POINTS = {"uniform": _uniform_points, "max_entropy": _entropy_points,
                  "after_error": _after_error_points, "first_divergence": _divergence_points}
-
-
-def _num_tasks(tasks) -> int:
-  if isinstance(tasks, (list, tuple)):  # host environments: a list of task dicts
-    return len(tasks)
-  return jax.tree.leaves(tasks)[0].shape[0]
 
 
 class _JaxRows:

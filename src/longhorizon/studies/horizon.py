@@ -212,7 +212,8 @@ def warm_settings(config) -> dict:
   starts were first kept (`workdir.ADDED_FIELDS`) while it holds the value that reproduces the
   behaviour from before it existed. So adding a config field does not orphan the kept warm starts;
   setting it to anything else does."""
-  flat = json.loads(json.dumps(dict(_flatten(config.to_dict())), default=str))
+  flat = json.loads(json.dumps(workdir_lib.flatten(config.to_dict(), keep_empty=False),
+                                default=str))
   added = json.loads(json.dumps(workdir_lib.ADDED_FIELDS, default=str))
   return {k: v for k, v in flat.items()
           if not any(k == n or k.startswith(n + ".") for n in _NOT_IN_WARM_FINGERPRINT)
@@ -226,14 +227,6 @@ def warm_fingerprint(config) -> str:
 
 def _fingerprint(settings: dict) -> str:
   return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _flatten(tree: dict, prefix: str = ""):
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      yield from _flatten(value, f"{prefix}{key}.")
-    else:
-      yield f"{prefix}{key}", value
 
 
 def warm_start_path(warm_dir: str, cell: Cell) -> str:

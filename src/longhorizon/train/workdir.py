@@ -179,12 +179,12 @@ class ConfigMismatchError(WorkdirError, ValueError):
   """A resumed run's config changes fields that are fixed for the life of a workdir."""
 
 
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-  """`{"a": {"b": 1}, "c": {}}` -> `{"a.b": 1, "c": {}}`."""
+def flatten(tree: Mapping[str, Any], prefix: str = "", keep_empty: bool = True) -> dict[str, Any]:
+  """`{"a": {"b": 1}, "c": {}}` -> `{"a.b": 1, "c": {}}`, or `{"a.b": 1}` without `keep_empty`."""
   out = {}
   for key, value in tree.items():
-    if isinstance(value, Mapping) and value:
-      out.update(_flatten(value, f"{prefix}{key}."))
+    if isinstance(value, Mapping) and (value or not keep_empty):
+      out.update(flatten(value, f"{prefix}{key}.", keep_empty))
     else:
       out[prefix + key] = value
   return out
@@ -199,7 +199,7 @@ def _plain(config) -> dict:
 
 def config_diff(saved: Mapping, new) -> dict[str, tuple[Any, Any]]:
   """`{field: (saved value, new value)}` of the fields that differ (`"<missing>"` if absent)."""
-  a, b = _flatten(_plain(saved)), _flatten(_plain(new))
+  a, b = flatten(_plain(saved)), flatten(_plain(new))
   missing = "<missing>"
   return {k: (a.get(k, missing), b.get(k, missing)) for k in sorted(set(a) | set(b))
           if a.get(k, missing) != b.get(k, missing)}
