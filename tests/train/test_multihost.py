@@ -159,9 +159,10 @@ def test_two_processes_match_one_and_resume(tmp_path):
         np.testing.assert_allclose(b[k], a[k], atol=1e-4, err_msg=k)
   with open(single_dir / "eval.json") as f, open(multi_dir / "eval.json") as g:
     single_eval, multi_eval = json.load(f), json.load(g)
-  # Where each launch ran is recorded, not compared: the git call behind `commit` can time out
-  # on a loaded machine in one launch and not the other (a CI run saw exactly that).
+  # Both launches ran the same code (a commit, known) on the same packages.
   single_where, multi_where = single_eval.pop("provenance"), multi_eval.pop("provenance")
+  assert single_where["commit"] is not None, single_where
+  assert multi_where["commit"] == single_where["commit"]
   assert multi_where["packages"] == single_where["packages"]
   assert multi_eval == single_eval
   # Process 1 evaluated too (the same gathered episodes) but wrote nothing.

@@ -9,6 +9,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import sysconfig
 import time
 
 import jax
@@ -185,14 +186,38 @@ def test_relative_and_home_workdirs(tmp_path):
   assert (tmp_path / "home" / "w" / "eval.json").exists()
 
 
+def _private_venv(path: pathlib.Path) -> pathlib.Path:
+  """A venv at `path` that sees this environment's installed packages (a `.pth` line naming its
+  site-packages) but none of its `.pth` files, so not this checkout's editable install: what is
+  installed into it (a copy of the repository, editable) stays out of the shared environment."""
+  subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, capture_output=True,
+                 timeout=600)
+  shared = sysconfig.get_paths()["purelib"]
+  site = pathlib.Path(subprocess.run(
+      [str(path / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+      check=True, capture_output=True, text=True).stdout.strip())
+  (site / "shared_packages.pth").write_text(shared + "\n")
+  return path
+
+
+def _imported_from(python: pathlib.Path) -> pathlib.Path:
+  out = subprocess.run([str(python), "-c", "import longhorizon; print(longhorizon.__file__)"],
+                       check=True, capture_output=True, text=True, cwd="/")
+  return pathlib.Path(out.stdout.strip()).resolve()
+
+
 @pytest.mark.slow
 def test_main_script_exact_command_line_with_its_relative_default_workdir(tmp_path):
   """`bash scripts/main.sh` as the README writes it, in a copy of the repository (its default
-  WORKDIR is the relative results/default); shortened by extra flags that take the same path."""
+  WORKDIR is the relative results/default); shortened by extra flags that take the same path.
+
+  The copy's set-up installs it (editable) into a venv of its own: installed into the shared
+  environment, it took this checkout's place for every other test's subprocess until the test
+  ended, and those (a copy without `.git`) recorded no commit in their eval.json."""
   repo = tmp_path / "repo"
   shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(".venv", "results", ".git", "*.egg-info",
                                                             "__pycache__", ".pytest_cache"))
-  (repo / ".venv").symlink_to(ROOT / ".venv")  # the installed environment (setup_env.sh reuses it)
+  _private_venv(repo / ".venv")
   script = (repo / "scripts" / "main.sh").read_text()
   assert 'WORKDIR="${WORKDIR:-results/default}"' in script and '--workdir="$WORKDIR"' in script
   env = _env(tmp_path)
@@ -202,15 +227,19 @@ def test_main_script_exact_command_line_with_its_relative_default_workdir(tmp_pa
                           "--config.sft.steps=4", "--config.eval.num_tasks=8", "--config.eval.k=1",
                           "--config.tasks.train_size=256", "--config.checkpoint_every=1"],
                          cwd=repo, env=env, capture_output=True, text=True, timeout=1200)
+    shared_imports = _imported_from(pathlib.Path(sys.executable))
   finally:
-    # main.sh's set-up installed the copy (editable) into the shared environment: point it back at
-    # this checkout, or every later import of longhorizon would load the temporary copy.
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "-e",
-                    str(ROOT)], check=True, capture_output=True, timeout=600)
+    if not _imported_from(pathlib.Path(sys.executable)).is_relative_to(ROOT):
+      # Set the shared environment right for the tests after this one, then fail below.
+      subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "-e",
+                      str(ROOT)], check=True, capture_output=True, timeout=600)
   assert run.returncode == 0, run.stderr[-3000:]
   out = repo / "results" / "default"
   assert (out / "checkpoints" / "0").exists() and (out / "checkpoints" / "1").exists()
   assert json.loads((out / "eval.json").read_text())["num_updates"] == 1
+  # The copy ran its own code, and the shared environment still imported this checkout.
+  assert _imported_from(repo / ".venv" / "bin" / "python").is_relative_to(repo.resolve())
+  assert shared_imports.is_relative_to(ROOT), shared_imports
 
 
 @pytest.mark.slow
@@ -282,10 +311,11 @@ def test_resume_with_changed_config_and_init_from(tmp_path):
   assert origin == {"workdir": str(base), "step": 3, "update": 3, "algorithm": "grpo"}
   result = json.loads((branch / "eval.json").read_text())
   assert result["algorithm"] == "rloo" and result["init_from"] == origin
-  # The code it ran on (eval/provenance.py, whose own test checks the commit in-process). In a
-  # full parallel suite the subprocess's git call has returned nothing (cause not found; see
-  # BUILD_NOTES), so here the commit is this checkout's or None, never another one.
-  assert result["provenance"]["commit"] in (None, provenance_lib.provenance()["commit"])
+  # The code it ran on: this checkout's commit (eval/provenance.py's own test checks it
+  # in-process). It was None in full parallel suites while the main-script test's copy was
+  # installed in the shared environment (see that test).
+  assert result["provenance"]["commit"] == provenance_lib.provenance()["commit"], \
+      result["provenance"]
   assert result["provenance"]["packages"]["jax"] == jax.__version__
   # Its starting policy is the base run's final one: the same evaluation as the base's final.
   assert result["warm_start_success_rate"] == json.loads(
