@@ -113,6 +113,15 @@ def test_smoke_sweep_writes_results_and_resumes(tmp_path):
   assert rows[0]["warm_success"] == rows[1]["warm_success"]
   _, curves = horizon.read_results(str(tmp_path))
   assert len(curves) == 2 * config.num_updates
+  # Each update's diagnostics, in step with its curve row: the same episodes' success, a policy
+  # entropy, a share of signal-free groups.
+  diagnostics = horizon.read_update_metrics(str(tmp_path))
+  assert [(d["algorithm"], d["update"]) for d in diagnostics] == [
+      (c["algorithm"], c["update"]) for c in curves]
+  for d, c in zip(diagnostics, curves):
+    assert d["termination/success"] == pytest.approx(c["train_success"])
+    assert d["entropy"] > 0 and 0 <= d["zero_advantage_group_rate"] <= 1
+    assert d["episode_steps"] >= 1 and d["grad_norm"] >= 0
   # A rerun skips the finished cell.
   lines.clear()
   horizon.run_sweep(config, cells, ["grpo", "gigpo"], str(tmp_path), log=lines.append)
@@ -131,6 +140,7 @@ def test_smoke_sweep_writes_results_and_resumes(tmp_path):
               "tokens"):
     assert resumed[1][key] == rows[1][key], key
   assert len(horizon.read_results(str(tmp_path))[1]) == 2 * config.num_updates
+  assert len(horizon.read_update_metrics(str(tmp_path))) == 2 * config.num_updates
   paths = horizon.plot_all(str(tmp_path))
   for path in paths.values():
     assert os.path.getsize(path) > 5000

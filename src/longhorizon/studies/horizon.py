@@ -9,7 +9,8 @@ episodes, teacher-forced), its independent-steps prediction p^H for an episode o
 episodes and tokens consumed, and the training-success learning curve.
 
 `run_sweep` runs cells one after another in this process (compiled functions are shared by every
-run of one shape), appends each finished run to `results.csv` / `curves.csv` and skips runs already
+run of one shape), appends each finished run to `results.csv` / `curves.csv` (and its per-update
+diagnostics to `update_metrics.csv`, first errors to `first_errors.csv`) and skips runs already
 there, so a killed sweep resumes (sweeps over disjoint seeds may share one folder). `summarize` and the `plot_*` functions read those files back;
 `experiments/horizon_sweep.py` is the entry point and `notebooks/credit_assignment_ablation.ipynb`
 reuses the plots.
@@ -48,7 +49,7 @@ from longhorizon.train.metrics import Timer
 
 __all__ = ["ALGORITHMS", "Cell", "actions_needed", "cell_config", "step_probabilities",
            "step_accuracy", "run_cell", "run_sweep", "warm_fingerprint", "warm_settings",
-           "save_warm_start", "load_warm_start", "read_results", "summarize",
+           "save_warm_start", "load_warm_start", "read_results", "read_update_metrics", "summarize",
            "plot_success_vs_horizon", "plot_learning_curves", "plot_sample_efficiency", "plot_all",
            "markdown_table"]
 
@@ -99,6 +100,16 @@ RESULT_FIELDS = ("env", "horizon", "actions", "algorithm", "seed", "updates", "e
                  "wall_s")
 CURVE_FIELDS = ("env", "horizon", "algorithm", "seed", "update", "episodes", "tokens",
                 "train_success")
+# What each update's learner step measured beyond success (`update_metrics.csv`), so a run that
+# collapses can be read afterwards without rerunning it: the policy's entropy on its own tokens,
+# the approximate KL of the update, the clipped-ratio fraction, the gradient norm, the share of
+# groups whose advantages were all 0 (no signal), episode length in steps, the invalid-action
+# reward and the failure / timeout rates, and updates skipped for a zero gradient. A metric the
+# algorithm does not compute is left empty.
+UPDATE_METRICS = ("entropy", "approx_kl", "clipfrac", "grad_norm", "zero_advantage_group_rate",
+                  "episode_steps", "reward/invalid", "termination/failure", "termination/timeout",
+                  "termination/success", "skipped_updates")
+UPDATE_METRIC_FIELDS = ("env", "horizon", "algorithm", "seed", "update") + UPDATE_METRICS
 # Where training episodes first left the oracle's path, per update (runs with
 # rollout.record_oracle): the rate of episodes with an error, the mean first-error step, the
 # fraction at the first step, and the fraction at each step as one space-separated field.
@@ -321,7 +332,8 @@ def _train(learner: Learner, params, cell: Cell, label: str) -> tuple[Any, list[
     curves.append({"env": cell.env, "horizon": cell.horizon, "algorithm": label,
                    "seed": cell.seed, "update": update + 1, "episodes": episodes,
                    "tokens": tokens, "train_success": metrics["success_rate"],
-                   "first_error": _first_errors(metrics)})
+                   "first_error": _first_errors(metrics),
+                   "metrics": {k: metrics.get(k, "") for k in UPDATE_METRICS}})
   return state, curves, episodes, tokens
 
 
@@ -420,7 +432,9 @@ def _read_csv(path: str) -> list[dict]:
     rows = list(csv.DictReader(f))
   for row in rows:
     for key, value in row.items():
-      if key not in ("env", "algorithm"):
+      if value == "":  # a metric the run did not compute
+        row[key] = None
+      elif key not in ("env", "algorithm"):
         number = float(value)
         row[key] = int(number) if number.is_integer() and key in (
             "horizon", "actions", "seed", "updates", "episodes", "tokens", "update") else number
@@ -435,6 +449,15 @@ def read_results(out_dir: str) -> tuple[list[dict], list[dict]]:
   for row in _read_csv(os.path.join(out_dir, "curves.csv")):
     curves[(row["env"], row["horizon"], row["algorithm"], row["seed"], row["update"])] = row
   return _read_csv(os.path.join(out_dir, "results.csv")), list(curves.values())
+
+
+def read_update_metrics(out_dir: str) -> list[dict]:
+  """The rows of `out_dir/update_metrics.csv` (UPDATE_METRIC_FIELDS), the last written for each
+  (run, update) as in `read_results`; [] for a sweep from before the file existed."""
+  rows = {}
+  for row in _read_csv(os.path.join(out_dir, "update_metrics.csv")):
+    rows[(row["env"], row["horizon"], row["algorithm"], row["seed"], row["update"])] = row
+  return list(rows.values())
 
 
 def run_sweep(base, cells: Sequence[Cell], algorithms: Sequence[str], out_dir: str, *,
@@ -453,6 +476,8 @@ def run_sweep(base, cells: Sequence[Cell], algorithms: Sequence[str], out_dir: s
               for c in curves if c.get("first_error")]
     if errors:
       _append(os.path.join(out_dir, "first_errors.csv"), FIRST_ERROR_FIELDS, errors)
+    _append(os.path.join(out_dir, "update_metrics.csv"), UPDATE_METRIC_FIELDS,
+            [{**{k: c[k] for k in UPDATE_METRIC_FIELDS[:5]}, **c["metrics"]} for c in curves])
     _append(os.path.join(out_dir, "results.csv"), RESULT_FIELDS, [row])
 
   setups: dict = {}
