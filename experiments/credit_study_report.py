@@ -1,6 +1,7 @@
 r"""The credit-assignment study's report (longhorizon.studies.credit_report) from a horizon
 sweep's folder: 95% t-intervals over seeds, paired differences to the baseline, sample efficiency,
-p against p^H, and where episodes first leave the oracle's path.
+p against p^H, where episodes first leave the oracle's path, and the learner's diagnostics
+for runs that ended below their warm start.
 
     python experiments/credit_study_report.py --out=experiments/results/horizon_sweep_credit_study
 
@@ -44,6 +45,10 @@ def main(argv):
     parts += [f"## First-error positions (first / last third of {updates} updates)",
               credit_report.first_error_table(errors, updates)]
     credit_report.plot_first_errors(errors, updates, os.path.join(out, "first_errors.png"))
+  falls = credit_report.fall_table(rows, horizon.read_update_metrics(out), updates)
+  if falls:
+    parts += [f"## Runs that ended below their warm start: learner diagnostics, first -> last "
+              f"third of {updates} updates (runs swept with update_metrics.csv)", falls]
   text = "\n\n".join(parts) + "\n"
   with open(os.path.join(out, "report.md"), "w") as f:
     f.write(text)

@@ -93,3 +93,26 @@ def test_efficiency_table_and_paired_plot(tmp_path):
   path = cr.plot_paired_differences(rows, "grpo", str(tmp_path / "pd.png"))
   assert os.path.getsize(path) > 5000
   np.testing.assert_allclose(cr.interval([0.05] * 3), (0.05, 0.0), atol=1e-12)
+
+
+def _update(algorithm, seed, update, entropy, zero, clipfrac=None):
+  return {"env": "pointer_chain", "horizon": 8, "algorithm": algorithm, "seed": seed,
+          "update": update, "entropy": entropy, "zero_advantage_group_rate": zero,
+          "grad_norm": 1.0, "approx_kl": 0.01, "episode_steps": 9.0, "clipfrac": clipfrac}
+
+
+def test_fall_table_lists_runs_below_their_warm_start_with_early_and_late_means():
+  rows = [_row("grpo", 0, final=0.0, warm=0.3), _row("gigpo", 0, final=0.6, warm=0.3),
+          _row("vine", 0, final=0.1, warm=0.3)]
+  # 6 updates: thirds are updates 1-2 and 5-6. grpo's entropy 2.0, 1.0 early and 0.5, 0.25 late;
+  # its signal-free groups 0 -> 1 (the collapse). vine fell but has no diagnostics: left out.
+  updates = [_update("grpo", 0, u, e, z) for u, e, z in
+             [(1, 2.0, 0.0), (2, 1.0, 0.0), (3, 9.0, 0.5), (4, 9.0, 0.5), (5, 0.5, 1.0),
+              (6, 0.25, 1.0)]]
+  updates += [_update("gigpo", 0, u, 1.0, 0.0) for u in range(1, 7)]
+  table = cr.fall_table(rows, updates, num_updates=6)
+  lines = table.splitlines()
+  assert len(lines) == 3  # header, rule, grpo
+  assert lines[2] == ("| pointer_chain | 8 | grpo | 0 | 0.300 -> 0.000 | 1.5 -> 0.375 | 0 -> 1 "
+                      "| 1 -> 1 | 0.01 -> 0.01 | 9 -> 9 |")
+  assert cr.fall_table(rows[1:2], updates, num_updates=6) == ""

@@ -26,7 +26,7 @@ import numpy as np
 from longhorizon.studies import horizon
 
 __all__ = ["t_quantile", "interval", "success_table", "efficiency_table", "first_error_table",
-           "read_first_errors", "plot_paired_differences", "plot_first_errors"]
+           "fall_table", "read_first_errors", "plot_paired_differences", "plot_first_errors"]
 
 # t_{0.975, df} for df = 1..30 (two-sided 95%); df > 30 uses the normal 1.96 (within 2%).
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
@@ -172,6 +172,43 @@ def first_error_table(errors: Sequence[dict], num_updates: int) -> str:
         lines.append(f"| {env} | {n} | {name} | {phase} | {dist[0]:.3f} | {dist[last]:.3f} "
                      f"(step {last}) | {mean:.2f} |")
   return "\n".join(lines)
+
+
+# update_metrics.csv columns shown for runs that fell (`fall_table`), with their short names.
+_FALL_METRICS = (("entropy", "entropy"), ("zero_advantage_group_rate", "signal-free groups"),
+                 ("grad_norm", "grad norm"), ("approx_kl", "KL"), ("episode_steps", "steps"))
+
+
+def fall_table(rows: Sequence[dict], update_rows: Sequence[dict], num_updates: int) -> str:
+  """Markdown: every run that ended below its warm start (`final_success < warm_success`), with
+  the learner's diagnostics (`horizon.read_update_metrics`) averaged over the first and the last
+  third of its updates, as `early -> late`. A collapsed GRPO run, for instance, shows its
+  signal-free group share going to 1 (every group fails, so every advantage is 0). Runs without
+  diagnostics (swept before the file existed) are left out; "" when no run fell."""
+  third = max(num_updates // 3, 1)
+  by_run: dict = {}
+  for u in update_rows:
+    by_run.setdefault((u["env"], u["horizon"], u["algorithm"], u["seed"]), []).append(u)
+  lines = []
+  for r in sorted(rows, key=lambda r: (r["env"], r["horizon"], _rank(r["algorithm"]), r["seed"])):
+    updates = by_run.get((r["env"], r["horizon"], r["algorithm"], r["seed"]))
+    if r["final_success"] >= r["warm_success"] or not updates:
+      continue
+    early = [u for u in updates if u["update"] <= third]
+    late = [u for u in updates if u["update"] > num_updates - third]
+    cells = []
+    for key, _ in _FALL_METRICS:
+      a = [u[key] for u in early if u[key] is not None]
+      b = [u[key] for u in late if u[key] is not None]
+      cells.append(f"{np.mean(a):.3g} -> {np.mean(b):.3g}" if a and b else "-")
+    lines.append(f"| {r['env']} | {r['horizon']} | {r['algorithm']} | {r['seed']} | "
+                 f"{r['warm_success']:.3f} -> {r['final_success']:.3f} | " + " | ".join(cells)
+                 + " |")
+  if not lines:
+    return ""
+  head = ("| env | N | method | seed | success | "
+          + " | ".join(name for _, name in _FALL_METRICS) + " |")
+  return "\n".join([head, "|" + "---|" * (5 + len(_FALL_METRICS))] + lines)
 
 
 def plot_paired_differences(rows: Sequence[dict], baseline: str, path: str) -> str:
