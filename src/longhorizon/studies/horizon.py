@@ -102,11 +102,13 @@ CURVE_FIELDS = ("env", "horizon", "algorithm", "seed", "update", "episodes", "to
                 "train_success")
 # What each update's learner step measured beyond success (`update_metrics.csv`), so a run that
 # collapses can be read afterwards without rerunning it: the policy's entropy on its own tokens,
-# the approximate KL of the update, the clipped-ratio fraction, the gradient norm, the share of
-# groups whose advantages were all 0 (no signal), episode length in steps, the invalid-action
-# reward and the failure / timeout rates, and updates skipped for a zero gradient. A metric the
-# algorithm does not compute is left empty.
-UPDATE_METRICS = ("entropy", "approx_kl", "clipfrac", "grad_norm", "zero_advantage_group_rate",
+# the approximate KL of the update (k1 and k3, each minibatch's before its step), the largest
+# ratio and the clipped-ratio fraction, the gradient norm, the share of groups whose advantages
+# were all 0 (no signal), the rollout engine's log-prob gap to the learner's, episode length in
+# steps, the invalid-action reward and the failure / timeout rates, and updates skipped for a
+# zero gradient. A metric the algorithm does not compute is left empty.
+UPDATE_METRICS = ("entropy", "approx_kl", "approx_kl_k3", "ratio_max", "clipfrac", "grad_norm",
+                  "zero_advantage_group_rate", "logp_mismatch_mean", "logp_mismatch_max",
                   "episode_steps", "reward/invalid", "termination/failure", "termination/timeout",
                   "termination/success", "skipped_updates")
 UPDATE_METRIC_FIELDS = ("env", "horizon", "algorithm", "seed", "update") + UPDATE_METRICS
