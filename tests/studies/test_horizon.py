@@ -286,3 +286,18 @@ def test_committed_warm_starts_match_their_cells_today(name):
   config = horizon.cell_config(_config("credit_study"), env, int(horizon_n), "grpo", int(seed))
   assert horizon.warm_settings(config) == info["settings"]
   assert horizon.warm_fingerprint(config) == info["fingerprint"]
+
+
+def test_appending_to_a_csv_with_an_older_header_widens_it(tmp_path):
+  # update_metrics.csv gained columns; a sweep resumed into a folder written by the older version
+  # rewrites the file under the new header (old rows empty there) before appending.
+  path = str(tmp_path / "update_metrics.csv")
+  horizon._append(path, ("env", "update", "entropy"), [{"env": "g", "update": 1, "entropy": 0.5}])
+  horizon._append(path, ("env", "update", "approx_kl", "entropy"),
+                  [{"env": "g", "update": 2, "approx_kl": 0.01, "entropy": 0.25}])
+  assert (tmp_path / "update_metrics.csv").read_text().splitlines() == [
+      "env,update,approx_kl,entropy", "g,1,,0.5", "g,2,0.01,0.25"]
+  rows = horizon._read_csv(path)
+  assert rows[0]["approx_kl"] is None and rows[1]["approx_kl"] == 0.01
+  with pytest.raises(ValueError, match="update_metrics.csv: its columns"):
+    horizon._append(path, ("env", "update"), [{"env": "g", "update": 3}])

@@ -421,10 +421,35 @@ def _append(path: str, fields: Sequence[str], rows: Iterable[dict]):
   writer = csv.DictWriter(text, fieldnames=list(fields))
   if not os.path.exists(path):
     writer.writeheader()
+  else:
+    _widen(path, fields)
   for row in rows:
     writer.writerow({k: row[k] for k in fields})
   with open(path, "a", newline="") as f:
     f.write(text.getvalue())
+
+
+def _widen(path: str, fields: Sequence[str]) -> None:
+  """Rewrites `path` under the header `fields` when its own header is an older, shorter one (a
+  column added since: its old rows get it empty), so appended rows line up; raises ValueError
+  naming the file when its columns are not a subset of `fields`."""
+  with open(path, newline="") as f:
+    header = next(csv.reader(f), [])
+  if header == list(fields):
+    return
+  if not set(header) <= set(fields):
+    raise ValueError(f"{path}: its columns {header} are not among this version's {list(fields)}; "
+                     "move the file aside or write to another folder.")
+  with open(path, newline="") as f:
+    rows = list(csv.DictReader(f))
+  text = io.StringIO()
+  writer = csv.DictWriter(text, fieldnames=list(fields), restval="")
+  writer.writeheader()
+  writer.writerows(rows)
+  tmp = f"{path}.tmp-{os.getpid()}"
+  with open(tmp, "w", newline="") as f:
+    f.write(text.getvalue())
+  os.replace(tmp, path)
 
 
 def _read_csv(path: str) -> list[dict]:
