@@ -301,3 +301,17 @@ def test_appending_to_a_csv_with_an_older_header_widens_it(tmp_path):
   assert rows[0]["approx_kl"] is None and rows[1]["approx_kl"] == 0.01
   with pytest.raises(ValueError, match="update_metrics.csv: its columns"):
     horizon._append(path, ("env", "update"), [{"env": "g", "update": 3}])
+
+
+def test_a_sweep_of_warm_starts_alone_reports_them(tmp_path):
+  # `--config.num_updates=0` evaluates each cell's warm start: final equals warm, no curves, and
+  # plot_all draws what it can instead of failing on an empty learning-curve figure.
+  config = _config("smoke")
+  config.num_updates = 0
+  rows = horizon.run_sweep(config, [horizon.Cell("pointer_chain", 2, 0)], ["grpo"], str(tmp_path),
+                           log=lambda _: None)
+  assert rows[0]["final_success"] == rows[0]["warm_success"] and rows[0]["episodes"] == 0
+  assert rows[0]["gain_per_1k_episodes"] == 0.0
+  assert horizon.read_results(str(tmp_path))[1] == []
+  paths = horizon.plot_all(str(tmp_path))
+  assert set(paths) == {"success_vs_horizon"} and os.path.getsize(paths["success_vs_horizon"]) > 5000

@@ -672,7 +672,8 @@ def plot_sample_efficiency(rows: Sequence[dict], path: str) -> str:
 
 
 def plot_all(out_dir: str) -> dict[str, str]:
-  """Every plot and `summary.json` / `summary.md` from the CSV files in `out_dir`."""
+  """Every plot and `summary.json` / `summary.md` from the CSV files in `out_dir`: `{name: path}`
+  of the plots drawn (no learning curves or sample efficiency for runs of zero updates)."""
   rows, curves = read_results(out_dir)
   if not rows:
     raise FileNotFoundError(f"no results in {os.path.join(out_dir, 'results.csv')}")
@@ -681,9 +682,11 @@ def plot_all(out_dir: str) -> dict[str, str]:
     json.dump(summary, f, indent=1)
   with open(os.path.join(out_dir, "summary.md"), "w") as f:
     f.write(markdown_table(summary) + "\n")
-  return {"success_vs_horizon": plot_success_vs_horizon(
-              rows, os.path.join(out_dir, "success_vs_horizon.png")),
-          "learning_curves": plot_learning_curves(
-              curves, os.path.join(out_dir, "learning_curves.png")),
-          "sample_efficiency": plot_sample_efficiency(
-              rows, os.path.join(out_dir, "sample_efficiency.png"))}
+  paths = {"success_vs_horizon": plot_success_vs_horizon(
+      rows, os.path.join(out_dir, "success_vs_horizon.png"))}
+  if curves:  # a sweep of warm starts alone (`num_updates=0`) has no curve and no gain per episode
+    paths["learning_curves"] = plot_learning_curves(
+        curves, os.path.join(out_dir, "learning_curves.png"))
+    paths["sample_efficiency"] = plot_sample_efficiency(
+        rows, os.path.join(out_dir, "sample_efficiency.png"))
+  return paths
