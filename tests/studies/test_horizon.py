@@ -191,10 +191,13 @@ def test_committed_smoke_cell_reproduces_exactly(tmp_path):
   from longhorizon.eval import provenance  # pylint: disable=g-import-not-at-top
   session = json.loads((REFERENCE / "sweep.json").read_text())["sessions"][-1]
   made, here = session["provenance"], provenance.provenance()
-  if (made["cpu"], made["packages"]) != (here["cpu"], here["packages"]):
-    pytest.skip(f"the reference was made on {made['cpu']!r} with {made['packages']}, this machine "
-                f"is {here['cpu']!r} with {here['packages']}: stale here; refresh it with the "
-                f"command in {REFERENCE / 'README.md'}")
+  # The model name alone can hide another ISA (two "AMD EPYC" machines gave other SFT numbers):
+  # compared too when the reference recorded it.
+  made_id = made.get("cpu_id", here["cpu_id"])
+  if (made["cpu"], made_id, made["packages"]) != (here["cpu"], here["cpu_id"], here["packages"]):
+    pytest.skip(f"the reference was made on {made['cpu']!r} {made_id} with {made['packages']}, "
+                f"this machine is {here['cpu']!r} {here['cpu_id']} with {here['packages']}: "
+                f"stale here; refresh it with the command in {REFERENCE / 'README.md'}")
   config = _config("smoke")
   config.unlock()
   config.sweep.pointer_chain, config.sweep.gridworld = (), (2,)

@@ -14,7 +14,7 @@ import platform
 import subprocess
 import sys
 
-__all__ = ["provenance", "cpu_model", "PACKAGES"]
+__all__ = ["provenance", "cpu_model", "cpu_id", "PACKAGES", "ISA_FLAGS"]
 
 # The packages whose versions can change a run's numbers.
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy", "orbax-checkpoint", "ml-collections")
@@ -53,9 +53,41 @@ def cpu_model() -> str:
   return platform.processor() or platform.machine()
 
 
+# Instruction-set extensions that change which kernels XLA:CPU emits, and so a run's float
+# rounding: the same code on two CPUs of one model name but different ISAs gives other numbers.
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16",
+             "asimd", "sve")
+
+
+def cpu_id(cpuinfo: str | None = None) -> dict:
+  """`{"vendor", "family", "model", "stepping", "isa"}` of the first CPU in `/proc/cpuinfo` (or
+  `cpuinfo`'s text), with `isa` the `ISA_FLAGS` it has: the model name alone ("AMD EPYC") does
+  not tell a Zen 3 from a Zen 4. `{}` where `/proc/cpuinfo` cannot be read."""
+  if cpuinfo is None:
+    try:
+      with open("/proc/cpuinfo", encoding="utf-8") as f:
+        cpuinfo = f.read()
+    except OSError:
+      return {}
+  fields: dict = {}
+  for line in cpuinfo.splitlines():
+    if not line.strip():
+      if fields:
+        break  # the first processor's block
+      continue
+    key, _, value = line.partition(":")
+    fields.setdefault(key.strip(), value.strip())
+  flags = set((fields.get("flags") or fields.get("Features") or "").split())
+  return {"vendor": fields.get("vendor_id") or fields.get("CPU implementer"),
+          "family": fields.get("cpu family") or fields.get("CPU architecture"),
+          "model": fields.get("model") or fields.get("CPU part"),
+          "stepping": fields.get("stepping") or fields.get("CPU revision"),
+          "isa": [f for f in ISA_FLAGS if f in flags]}
+
+
 def provenance() -> dict:
-  """`{"commit", "dirty", "python", "packages", "platform", "cpu", "cpus"}`, and `git_error` when
-  the commit is unknown.
+  """`{"commit", "dirty", "python", "packages", "platform", "cpu", "cpu_id", "cpus"}`, and
+  `git_error` when the commit is unknown.
 
   `commit` is None outside a git checkout (an installed wheel) or when git fails, and `git_error`
   then says why; `dirty` is True when tracked files differ from that commit (None when unknown):
@@ -65,7 +97,8 @@ def provenance() -> dict:
   out = {"commit": commit, "dirty": None if status is None else bool(status),
          "python": sys.version.split()[0],
          "packages": {name: _version(name) for name in PACKAGES},
-         "platform": platform.platform(), "cpu": cpu_model(), "cpus": os.cpu_count()}
+         "platform": platform.platform(), "cpu": cpu_model(), "cpu_id": cpu_id(),
+         "cpus": os.cpu_count()}
   if commit is None:
     out["git_error"] = error
   return out
