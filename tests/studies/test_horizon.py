@@ -195,7 +195,8 @@ def test_committed_smoke_cell_reproduces_exactly(tmp_path):
   # compared too when the reference recorded it.
   made_id = made.get("cpu_id", here["cpu_id"])
   if (made["cpu"], made_id, made["packages"]) != (here["cpu"], here["cpu_id"], here["packages"]):
-    pytest.skip(f"the reference was made on {made['cpu']!r} {made_id} with {made['packages']}, "
+    pytest.skip(f"the reference was made on {made['cpu']!r} {made.get('cpu_id', '')} with "
+                f"{made['packages']}, "
                 f"this machine is {here['cpu']!r} {here['cpu_id']} with {here['packages']}: "
                 f"stale here; refresh it with the command in {REFERENCE / 'README.md'}")
   config = _config("smoke")

@@ -186,7 +186,7 @@ def test_relative_and_home_workdirs(tmp_path):
   assert (tmp_path / "home" / "w" / "eval.json").exists()
 
 
-def _private_venv(path: pathlib.Path) -> pathlib.Path:
+def _private_venv(path: pathlib.Path) -> None:
   """A venv at `path` that sees this environment's installed packages (a `.pth` line naming its
   site-packages) but none of its `.pth` files, so not this checkout's editable install: what is
   installed into it (a copy of the repository, editable) stays out of the shared environment."""
@@ -197,7 +197,6 @@ def _private_venv(path: pathlib.Path) -> pathlib.Path:
       [str(path / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
       check=True, capture_output=True, text=True).stdout.strip())
   (site / "shared_packages.pth").write_text(shared + "\n")
-  return path
 
 
 def _imported_from(python: pathlib.Path) -> pathlib.Path:
@@ -227,9 +226,9 @@ def test_main_script_exact_command_line_with_its_relative_default_workdir(tmp_pa
                           "--config.sft.steps=4", "--config.eval.num_tasks=8", "--config.eval.k=1",
                           "--config.tasks.train_size=256", "--config.checkpoint_every=1"],
                          cwd=repo, env=env, capture_output=True, text=True, timeout=1200)
-    shared_imports = _imported_from(pathlib.Path(sys.executable))
   finally:
-    if not _imported_from(pathlib.Path(sys.executable)).is_relative_to(ROOT):
+    shared_imports = _imported_from(pathlib.Path(sys.executable))
+    if not shared_imports.is_relative_to(ROOT):
       # Set the shared environment right for the tests after this one, then fail below.
       subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "-e",
                       str(ROOT)], check=True, capture_output=True, timeout=600)

@@ -136,14 +136,18 @@ def read_first_errors(out_dir: str) -> list[dict]:
   return list(rows.values())
 
 
+def _phase(update: int, num_updates: int) -> str | None:
+  """"early" in the first third of `num_updates` updates, "late" in the last, else None."""
+  third = max(num_updates // 3, 1)
+  return "early" if update <= third else "late" if update > num_updates - third else None
+
+
 def _error_phases(errors, num_updates: int) -> dict:
   """`{(env, N, method): {phase: mean first-error distribution}}` for the first and last third of
   training (phase "early" / "late"), averaged over updates and seeds."""
-  third = max(num_updates // 3, 1)
   out: dict = {}
   for r in errors:
-    phase = ("early" if r["update"] <= third else "late" if r["update"] > num_updates - third
-             else None)
+    phase = _phase(r["update"], num_updates)
     if phase is not None:
       out.setdefault((r["env"], r["horizon"], r["algorithm"]), {}).setdefault(
           phase, []).append(r["by_step"])
@@ -185,7 +189,6 @@ def fall_table(rows: Sequence[dict], update_rows: Sequence[dict], num_updates: i
   third of its updates, as `early -> late`. A collapsed GRPO run, for instance, shows its
   signal-free group share going to 1 (every group fails, so every advantage is 0). Runs without
   diagnostics (swept before the file existed) are left out; "" when no run fell."""
-  third = max(num_updates // 3, 1)
   by_run: dict = {}
   for u in update_rows:
     by_run.setdefault((u["env"], u["horizon"], u["algorithm"], u["seed"]), []).append(u)
@@ -194,8 +197,8 @@ def fall_table(rows: Sequence[dict], update_rows: Sequence[dict], num_updates: i
     updates = by_run.get((r["env"], r["horizon"], r["algorithm"], r["seed"]))
     if r["final_success"] >= r["warm_success"] or not updates:
       continue
-    early = [u for u in updates if u["update"] <= third]
-    late = [u for u in updates if u["update"] > num_updates - third]
+    early = [u for u in updates if _phase(u["update"], num_updates) == "early"]
+    late = [u for u in updates if _phase(u["update"], num_updates) == "late"]
     cells = []
     for key, _ in _FALL_METRICS:
       a = [u[key] for u in early if u[key] is not None]

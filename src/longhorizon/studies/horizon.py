@@ -434,14 +434,14 @@ def _widen(path: str, fields: Sequence[str]) -> None:
   column added since: its old rows get it empty), so appended rows line up; raises ValueError
   naming the file when its columns are not a subset of `fields`."""
   with open(path, newline="") as f:
-    header = next(csv.reader(f), [])
-  if header == list(fields):
-    return
-  if not set(header) <= set(fields):
-    raise ValueError(f"{path}: its columns {header} are not among this version's {list(fields)}; "
-                     "move the file aside or write to another folder.")
-  with open(path, newline="") as f:
-    rows = list(csv.DictReader(f))
+    reader = csv.DictReader(f)
+    header = reader.fieldnames or []
+    if header == list(fields):
+      return
+    if not set(header) <= set(fields):
+      raise ValueError(f"{path}: its columns {header} are not among this version's "
+                       f"{list(fields)}; move the file aside or write to another folder.")
+    rows = list(reader)
   text = io.StringIO()
   writer = csv.DictWriter(text, fieldnames=list(fields), restval="")
   writer.writeheader()
@@ -472,17 +472,21 @@ def read_results(out_dir: str) -> tuple[list[dict], list[dict]]:
   """`(result rows, curve rows)` from `results.csv` and `curves.csv` in `out_dir`. A run whose
   curve was written before the sweep was killed (and its result row never was) is rerun on
   resume; of its curve rows only the last written are kept."""
-  curves = {}
-  for row in _read_csv(os.path.join(out_dir, "curves.csv")):
-    curves[(row["env"], row["horizon"], row["algorithm"], row["seed"], row["update"])] = row
-  return _read_csv(os.path.join(out_dir, "results.csv")), list(curves.values())
+  return (_read_csv(os.path.join(out_dir, "results.csv")),
+          _last_per_update(os.path.join(out_dir, "curves.csv")))
 
 
 def read_update_metrics(out_dir: str) -> list[dict]:
   """The rows of `out_dir/update_metrics.csv` (UPDATE_METRIC_FIELDS), the last written for each
   (run, update) as in `read_results`; [] for a sweep from before the file existed."""
+  return _last_per_update(os.path.join(out_dir, "update_metrics.csv"))
+
+
+def _last_per_update(path: str) -> list[dict]:
+  """The rows of a per-update CSV, the last written for each (env, horizon, algorithm, seed,
+  update): a run rerun after a kill wrote its rows again."""
   rows = {}
-  for row in _read_csv(os.path.join(out_dir, "update_metrics.csv")):
+  for row in _read_csv(path):
     rows[(row["env"], row["horizon"], row["algorithm"], row["seed"], row["update"])] = row
   return list(rows.values())
 
