@@ -15,6 +15,14 @@ Smoke sweep (grpo and gigpo, seed 0, default.py's smoke config; a minute or two 
 
   python experiments/sweep.py --config=configs/algorithm_sweep.py:smoke --workdir_root=/tmp/lh_sw
 
+How often the main job learns (`:grpo_seeds`: GRPO, the main job exactly, with `config.seed` 0-4;
+the task suites keep `config.tasks.seed`, so every run is evaluated on the same 128 test tasks),
+and its report (mean, 95% interval, how many runs meet default.py's claim):
+
+  python experiments/sweep.py --config=configs/algorithm_sweep.py:grpo_seeds \
+      --workdir_root=/tmp/lh_seeds
+  python experiments/sweep_report.py --root=/tmp/lh_seeds
+
 One run by hand (what the sweep runs for run `algorithm.name=gigpo,seed=1`):
 
   python experiments/train.py --config=configs/algorithm_sweep.py \
@@ -38,21 +46,27 @@ ALGORITHMS = ("grpo", "drgrpo", "rloo", "reinforce_pp", "gigpo", "ppo")
 SEEDS = (0, 1, 2)
 
 
+GRPO_SEEDS = (0, 1, 2, 3, 4)
+
+
 def _check(arg):
-  if arg not in (None, "", "smoke"):
-    raise ValueError(f"unknown config variant {arg!r} of configs/algorithm_sweep.py; use 'smoke' "
-                     "or nothing.")
+  if arg not in (None, "", "smoke", "grpo_seeds"):
+    raise ValueError(f"unknown config variant {arg!r} of configs/algorithm_sweep.py; use 'smoke', "
+                     "'grpo_seeds' or nothing.")
 
 
 def get_config(arg=None):
   """default.py's config (its smoke variant for `:smoke`); the sweep sets algorithm and seed."""
   _check(arg)
-  return sweeps.config_module(_DEFAULT).get_config(arg or None)
+  return sweeps.config_module(_DEFAULT).get_config("smoke" if arg == "smoke" else None)
 
 
 def get_sweep(arg=None):
-  """algorithm.name x seed (6 x 3 = 18 runs); `smoke`: grpo and gigpo, seed 0."""
+  """algorithm.name x seed (6 x 3 = 18 runs); `smoke`: grpo and gigpo, seed 0; `grpo_seeds`: grpo,
+  seeds 0-4."""
   _check(arg)
   if arg == "smoke":
     return sweeps.product({"config.algorithm.name": ["grpo", "gigpo"]}, {"config.seed": [0]})
+  if arg == "grpo_seeds":
+    return sweeps.product({"config.algorithm.name": ["grpo"]}, {"config.seed": list(GRPO_SEEDS)})
   return sweeps.product({"config.algorithm.name": list(ALGORITHMS)}, {"config.seed": list(SEEDS)})

@@ -125,6 +125,11 @@ def test_algorithm_sweep_config_and_overrides_check():
   assert smoke == [{"config.algorithm.name": "grpo", "config.seed": 0},
                    {"config.algorithm.name": "gigpo", "config.seed": 0}]
   assert smoke_config.num_updates == 3
+  # The seed study of the main job: default.py's config exactly, GRPO, seeds 0-4.
+  seeds_config, seeds = sweeps.load_sweep(f"{SWEEP_CONFIG}:grpo_seeds")
+  assert seeds == [{"config.algorithm.name": "grpo", "config.seed": s} for s in range(5)]
+  default = sweeps.config_module(str(ROOT / "configs" / "default.py")).get_config()
+  assert seeds_config.to_dict() == default.to_dict() == config.to_dict()
   with pytest.raises(ValueError, match="unknown config variant 'big'"):
     sweeps.load_sweep(f"{SWEEP_CONFIG}:big")
 
