@@ -8,6 +8,7 @@ import os
 from absl import logging
 import numpy as np
 
+from longhorizon.studies import credit_report
 from longhorizon.studies.credit_report import interval
 
 __all__ = ["arm_name", "read_runs", "summarise", "markdown", "FIELDS", "STAGES"]
@@ -74,8 +75,8 @@ def summarise(rows: list[dict]) -> dict:
 
 
 def _cell(value) -> str:
-  mean, half = value
-  return f"{mean:.3f}" + ("" if half is None else f" ± {half:.3f}")
+  mean, half = value  # half None (one seed) prints the mean alone, as the credit report does
+  return credit_report._fmt(mean, float("nan") if half is None else half)
 
 
 def markdown(rows: list[dict], summary: dict, min_success: float, min_gain: float) -> str:
