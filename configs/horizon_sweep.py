@@ -39,6 +39,11 @@ Variants (`--config=configs/horizon_sweep.py:VARIANT`):
                  three tree estimators, the milestone verifier, and Tree-GRPO plus the milestone
                  verifier), with first-error positions recorded. Sweeps over disjoint seeds may
                  run side by side into one folder (`--config.sweep.seeds=(0,2,4)` and `(1,3)`).
+  credit_study_textworld  the credit study's methods and seeds on TextWorld quest length 8, at
+                 3x the textworld cells' budget (72 updates of 16 games x 8, 9,216 episodes per
+                 run; every other setting the textworld variant's). Build the games first:
+                 experiments/prepare_textworld.py --config=configs/horizon_sweep.py:credit_study_textworld
+                 --splits=train --splits=test.
 Every run of a cell (env, N, seed) starts from the same SFT warm start (noisy demonstrator,
 epsilon 0.1), so the algorithms differ only in credit assignment; all share every other
 hyperparameter (none is tuned per algorithm).
@@ -54,7 +59,7 @@ _DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py"
 
 ALGORITHMS = ("grpo", "drgrpo", "rloo", "ppo_gae", "ppo_lagae", "gigpo")
 VARIANTS = ("cpu", "accelerator", "textworld", "smoke", "turn_credit", "branch_credit",
-            "verifier_credit", "recovery_credit", "credit_study")
+            "verifier_credit", "recovery_credit", "credit_study", "credit_study_textworld")
 TURN_CREDIT = ("grpo", "grpo_empg", "ppo_gae", "ppo_lagae", "ppo_turn_gae", "ppo_turn_lagae",
                "ppo_bilevel")
 BRANCH_CREDIT = ("grpo", "grpo_branched", "vine", "branch", "tree_grpo", "tree_grpo_divergence")
@@ -96,6 +101,9 @@ def get_config(arg=None):
   # Save each cell's warm start (and its evaluation) under OUT/warm_starts/ and read it back on
   # resume, so a cell finished in another session, on another CPU, starts from the same parameters.
   config.sweep.keep_warm_starts = False
+  # Save the run under way every this many updates (OUT/partial/), so a killed sweep continues it
+  # from there instead of from its first update (0: off; the run restarts).
+  config.sweep.checkpoint_every = 0
   if variant == "accelerator":
     config.model.hidden_size = 256
     config.model.num_hidden_layers = 4
@@ -108,7 +116,7 @@ def get_config(arg=None):
     config.eval.k = 4
     config.sweep.pointer_chain = (2, 4, 8, 16, 32)
     config.sweep.gridworld = (2, 4, 8, 16, 32)
-  elif variant == "textworld":  # TextWorld coin-collector quests (host environment, process pool)
+  elif variant in ("textworld", "credit_study_textworld"):  # TextWorld quests, process pool
     # The settings of the TextWorld learning run (experiments/results/textworld): many distinct
     # games seen once by SFT (a few games are memorised), milestone rewards, 16 games per update
     # at lr 1e-4. Build the games first: experiments/prepare_textworld.py with this config.
@@ -134,6 +142,15 @@ def get_config(arg=None):
     config.pool.backend = "process"
     config.pool.workers = 2
     config.pool.timeout_s = 60.0  # a game missing from the cache is generated on its first reset
+    if variant == "credit_study_textworld":
+      config.num_updates = 72  # 3x the textworld cells' 24 updates of 16 games x 8
+      config.tasks.train_size = 1024 + 72 * 16  # SFT games, then RL games: none seen twice
+      config.rollout.record_oracle = True  # first-error positions for every method
+      config.sweep.textworld = (8,)
+      config.sweep.algorithms = CREDIT_STUDY
+      config.sweep.seeds = (0, 1, 2, 3, 4)
+      config.sweep.keep_warm_starts = True
+      config.sweep.checkpoint_every = 6  # a run is about 40 min; a stop loses at most 6 updates
   elif variant == "turn_credit":
     config.sweep.pointer_chain = (8,)
     config.sweep.gridworld = ()

@@ -80,7 +80,8 @@ def main(argv):
     _record_session(out, config, session)
     horizon.run_sweep(config, cells, list(config.sweep.algorithms), out,
                       log=lambda line: print(line, flush=True),
-                      keep_warm_starts=config.sweep.get("keep_warm_starts", False))
+                      keep_warm_starts=config.sweep.get("keep_warm_starts", False),
+                      checkpoint_every=config.sweep.get("checkpoint_every", 0))
     session["wall_s"] = round(time.perf_counter() - started, 1)
     _record_session(out, config, session)
   paths = horizon.plot_all(out)

@@ -147,6 +147,58 @@ def test_smoke_sweep_writes_results_and_resumes(tmp_path):
   assert "| pointer_chain | 2 | 3 | grpo | 1 |" in (tmp_path / "summary.md").read_text()
 
 
+@pytest.mark.slow
+def test_a_killed_run_continues_from_its_checkpoint(tmp_path, monkeypatch):
+  """`checkpoint_every`: a run killed after its checkpoint at update 2 continues from there (only
+  updates 3 and 4 are run again) and gives the uninterrupted run's row and curve; the checkpoint
+  folder goes once the run is recorded, and a checkpoint of other settings is refused by name."""
+  config = _config("smoke")
+  config.unlock()
+  config.num_updates = 4
+  cell, setups = horizon.Cell("pointer_chain", 2, 0), {}
+  straight_rows, straight_curves = horizon.run_cell(
+      config, cell, ["grpo"], log=lambda _: None, setups=setups,
+      partial_dir=str(tmp_path / "straight"), checkpoint_every=2)
+  assert not os.path.exists(horizon.run_path(str(tmp_path / "straight"), cell, "grpo"))
+
+  calls, real_step = [], horizon.Learner.step
+
+  def step(self, state, update, *args, **kwargs):
+    calls.append(update)
+    if update == kill_at[0]:
+      raise KeyboardInterrupt  # the sweep is stopped during update 4
+    return real_step(self, state, update, *args, **kwargs)
+
+  kill_at = [3]
+  monkeypatch.setattr(horizon.Learner, "step", step)
+  partial = str(tmp_path / "partial")
+  with pytest.raises(KeyboardInterrupt):
+    horizon.run_cell(config, cell, ["grpo"], log=lambda _: None, setups=setups,
+                     partial_dir=partial, checkpoint_every=2)
+  assert calls == [0, 1, 2, 3]
+  assert os.path.isdir(os.path.join(horizon.run_path(partial, cell, "grpo"), "2"))
+  calls.clear()
+  kill_at = [None]
+  rows, curves = horizon.run_cell(config, cell, ["grpo"], log=lambda _: None, setups=setups,
+                                  partial_dir=partial, checkpoint_every=2)
+  assert calls == [2, 3]  # continued from the checkpoint at update 2
+  for key in ("warm_success", "final_success", "final_greedy_success", "final_step_accuracy",
+              "episodes", "tokens"):
+    assert rows[0][key] == straight_rows[0][key], key
+  assert curves == straight_curves
+  assert not os.path.exists(horizon.run_path(partial, cell, "grpo"))
+
+  # A checkpoint left by a run of other settings is not continued.
+  kill_at = [3]
+  with pytest.raises(KeyboardInterrupt):
+    horizon.run_cell(config, cell, ["grpo"], log=lambda _: None, setups=setups,
+                     partial_dir=partial, checkpoint_every=2)
+  config.optim.learning_rate *= 2
+  with pytest.raises(ValueError, match=r"pointer_chain_N2_s0_grpo: a checkpoint of another run"):
+    horizon.run_cell(config, cell, ["grpo"], log=lambda _: None, setups=setups,
+                     partial_dir=partial, checkpoint_every=2)
+
+
 def test_every_algorithm_label_gives_a_valid_config_with_its_settings():
   """Each label of the study (the v1 six, the turn-level and the branch ones) validates and sets
   what it names; the turn_credit and branch_credit variants run on pointer_chain N = 8 only."""
@@ -176,6 +228,15 @@ def test_every_algorithm_label_gives_a_valid_config_with_its_settings():
   combo = horizon.cell_config(study, "pointer_chain", 16, "tree_grpo_milestone_verifier", seed=4)
   assert (combo.algorithm.name, combo.algorithm.step_verifier, combo.rollout.branch_k,
           combo.rollout.record_oracle) == ("tree_grpo", "milestone", 3, True)
+  # ... and on TextWorld quest length 8 at 3x the textworld cells' budget, with enough distinct
+  # games that no RL game repeats and none was seen by SFT.
+  tw, tw_cells = _config("credit_study_textworld"), _config("textworld")
+  assert tuple(tw.sweep.algorithms) == tuple(study.sweep.algorithms)
+  assert tw.num_updates == 3 * tw_cells.num_updates and tuple(tw.sweep.textworld) == (8,)
+  assert tw.tasks.train_size == tw.sft.episodes + tw.num_updates * tw.rollout.num_tasks
+  assert tw.sweep.checkpoint_every > 0 and tw.sweep.keep_warm_starts
+  for name in ("sft", "optim", "reward", "pool", "eval"):
+    assert tw[name].to_dict() == tw_cells[name].to_dict(), name
 
 
 REFERENCE = ROOT / "experiments" / "results" / "horizon_sweep_smoke_reference"

@@ -26,6 +26,7 @@ import io
 import json
 import math
 import os
+import shutil
 import time
 from typing import Any, Callable, Iterable, Sequence
 import warnings
@@ -44,11 +45,12 @@ from longhorizon.models import init_params
 from longhorizon.train import config as config_lib
 from longhorizon.train import learner as learner_lib
 from longhorizon.train import workdir as workdir_lib
+from longhorizon.train.checkpoints import Checkpointer
 from longhorizon.train.learner import Learner
 from longhorizon.train.metrics import Timer
 
 __all__ = ["ALGORITHMS", "Cell", "actions_needed", "cell_config", "step_probabilities",
-           "step_accuracy", "run_cell", "run_sweep", "warm_fingerprint", "warm_settings",
+           "step_accuracy", "run_cell", "run_sweep", "run_path", "run_fingerprint", "warm_fingerprint", "warm_settings",
            "save_warm_start", "load_warm_start", "read_results", "read_update_metrics", "summarize",
            "plot_success_vs_horizon", "plot_learning_curves", "plot_sample_efficiency", "plot_all",
            "markdown_table"]
@@ -317,26 +319,74 @@ def _warm_start(base, cell: Cell, algorithm: str, setups: dict,
   return learner, jax.tree.map(jnp.copy, state.params), None
 
 
-def _train(learner: Learner, params, cell: Cell, label: str) -> tuple[Any, list[dict], int, int]:
+def run_path(partial_dir: str, cell: Cell, label: str) -> str:
+  """Where a run's mid-run checkpoints live (`_train`'s `run_dir`)."""
+  return os.path.join(partial_dir, f"{cell.env}_N{cell.horizon}_s{cell.seed}_{label}")
+
+
+def run_fingerprint(config, params) -> str:
+  """A hash of what a run's updates depend on: its settings (`warm_settings` and `num_updates`)
+  and the parameters it starts from, so a checkpoint is resumed only by the same run."""
+  digest = hashlib.sha256()
+  for leaf in jax.tree.leaves(params):
+    digest.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+  return _fingerprint({"settings": warm_settings(config), "num_updates": config.num_updates,
+                       "params": digest.hexdigest()})
+
+
+def _train(learner: Learner, params, cell: Cell, label: str, run_dir: str | None = None,
+           every: int = 0) -> tuple[Any, list[dict], int, int, float]:
   """Trains `params` (copied) with `learner` for `num_updates`: `(state, curve rows, episodes,
-  tokens)`. RL tasks start after the warm start's SFT tasks."""
+  tokens, seconds spent in earlier processes)`. RL tasks start after the warm start's SFT tasks.
+
+  With `run_dir` and `every > 0` the state, the curve rows so far and the counters are saved
+  there every `every` updates, and a run that finds a checkpoint of its own (`run_fingerprint`)
+  continues from it: the update's samples depend only on the saved state, the update index and
+  the data position, so the result equals the uninterrupted run's. A checkpoint of another run is
+  refused with an error naming the folder. The caller removes `run_dir` once the run is recorded.
+  Recovery tasks keep their pool of failed starts in the learner, not the state, so a run with
+  `rollout.recovery_groups` is not checkpointed."""
   c = learner.config
   params = jax.tree.map(jnp.copy, params)
   state = learner.initial_state().replace(params=params, opt_state=learner.init_opt_state(params))
-  curves, episodes, tokens = [], 0, 0
+  curves, episodes, tokens, start, earlier_s = [], 0, 0, 0, 0.0
   data_position, timer = c.sft.episodes, Timer()
+  checkpointer = None
+  if run_dir is not None and every > 0 and not c.rollout.recovery_groups:
+    fingerprint = run_fingerprint(c, params)
+    checkpointer = Checkpointer(run_dir, max_to_keep=1)
+    if checkpointer.latest_step() is not None:
+      state, meta = checkpointer.restore(template=state)
+      if meta.get("fingerprint") != fingerprint:
+        checkpointer.close()
+        raise ValueError(f"{run_dir}: a checkpoint of another run (fingerprint "
+                         f"{meta.get('fingerprint')!r}, this run's {fingerprint!r}: other "
+                         f"settings or another warm start); move it away to start this run afresh.")
+      start, curves = int(meta["update"]), list(meta["curves"])
+      episodes, tokens, data_position = meta["episodes"], meta["tokens"], meta["data_position"]
+      earlier_s = float(meta["seconds"])
+  run_started = time.perf_counter()
   batch_size = c.rollout.num_tasks * c.rollout.group_size
-  for update in range(c.num_updates):
-    state, metrics = learner.step(state, update, data_position, timer)
-    data_position += c.rollout.num_tasks
-    episodes += batch_size
-    tokens += int(round(metrics["episode_tokens"] * batch_size))
-    curves.append({"env": cell.env, "horizon": cell.horizon, "algorithm": label,
-                   "seed": cell.seed, "update": update + 1, "episodes": episodes,
-                   "tokens": tokens, "train_success": metrics["success_rate"],
-                   "first_error": _first_errors(metrics),
-                   "metrics": {k: metrics.get(k, "") for k in UPDATE_METRICS}})
-  return state, curves, episodes, tokens
+  try:
+    for update in range(start, c.num_updates):
+      state, metrics = learner.step(state, update, data_position, timer)
+      data_position += c.rollout.num_tasks
+      episodes += batch_size
+      tokens += int(round(metrics["episode_tokens"] * batch_size))
+      curves.append({"env": cell.env, "horizon": cell.horizon, "algorithm": label,
+                     "seed": cell.seed, "update": update + 1, "episodes": episodes,
+                     "tokens": tokens, "train_success": metrics["success_rate"],
+                     "first_error": _first_errors(metrics),
+                     "metrics": {k: metrics.get(k, "") for k in UPDATE_METRICS}})
+      if checkpointer is not None and (update + 1) % every == 0 and update + 1 < c.num_updates:
+        checkpointer.save(update + 1, state, {
+            "fingerprint": fingerprint, "update": update + 1, "curves": curves,
+            "episodes": episodes, "tokens": tokens, "data_position": data_position,
+            "seconds": earlier_s + time.perf_counter() - run_started})
+  finally:
+    if checkpointer is not None:
+      checkpointer.close()  # waits for a save under way
+  return state, curves, episodes, tokens, earlier_s
 
 
 def _first_errors(metrics: dict) -> dict | None:
@@ -354,7 +404,8 @@ def _first_errors(metrics: dict) -> dict | None:
 def run_cell(base, cell: Cell, algorithms: Sequence[str], *, log: Callable[[str], None] = print,
              setups: dict | None = None, warm_algorithm: str | None = None,
              on_run: Callable[[dict, list[dict]], None] | None = None,
-             warm_dir: str | None = None) -> tuple[list[dict], list[dict]]:
+             warm_dir: str | None = None, partial_dir: str | None = None,
+             checkpoint_every: int = 0) -> tuple[list[dict], list[dict]]:
   """Warm start once, then every algorithm from that warm start: `(result rows, curve rows)`.
 
   `setups` (a dict kept across calls) reuses the environment, task suites and codec of an
@@ -364,7 +415,9 @@ def run_cell(base, cell: Cell, algorithms: Sequence[str], *, log: Callable[[str]
   start and its evaluation are saved there (`save_warm_start`) and read back by a resumed cell,
   which then starts from the same parameters on any machine (XLA's numerics differ between CPU
   models, so recomputing the SFT elsewhere would give another start). `on_run(row, curves)` is
-  called as each algorithm's run finishes."""
+  called as each algorithm's run finishes. With `partial_dir` and `checkpoint_every > 0` each run
+  saves a checkpoint every `checkpoint_every` updates under `run_path(partial_dir, cell, label)`
+  and continues from it when restarted (see `_train`); the folder is removed after `on_run`."""
   started = time.perf_counter()
   warm_learner, warm_params, saved = _warm_start(base, cell, warm_algorithm or algorithms[0],
                                                  {} if setups is None else setups, warm_dir)
@@ -388,7 +441,9 @@ def run_cell(base, cell: Cell, algorithms: Sequence[str], *, log: Callable[[str]
   for label in algorithms:
     run_started = time.perf_counter()
     learner = warm_learner.with_config(cell_config(base, cell.env, cell.horizon, label, cell.seed))
-    state, run_curves, episodes, tokens = _train(learner, warm_params, cell, label)
+    run_dir = None if partial_dir is None else run_path(partial_dir, cell, label)
+    state, run_curves, episodes, tokens, earlier_s = _train(learner, warm_params, cell, label,
+                                                            run_dir, checkpoint_every)
     curves += run_curves
     final = _evaluate(learner, state.params, c.seed + 17)
     final_p, _ = step_accuracy(learner, state.params, oracle)
@@ -403,12 +458,14 @@ def run_cell(base, cell: Cell, algorithms: Sequence[str], *, log: Callable[[str]
                  "gain": gain, "gain_per_1k_episodes": gain / max(episodes, 1) * 1e3,
                  "gain_per_1m_tokens": gain / max(tokens, 1) * 1e6,
                  "mean_task_length": mean_length,
-                 "wall_s": time.perf_counter() - run_started})
+                 "wall_s": earlier_s + time.perf_counter() - run_started})
     log(f"  {label:10s} success {warm['success']:.3f} -> {final['success']:.3f} (greedy "
         f"{final['greedy_success']:.3f}), step accuracy {final_p:.3f} -> p^{actions} = "
         f"{final_p ** actions:.3f}  [{time.perf_counter() - run_started:.0f}s]")
     if on_run is not None:
       on_run(rows[-1], run_curves)
+    if run_dir is not None:
+      shutil.rmtree(run_dir, ignore_errors=True)
   return rows, curves
 
 
@@ -492,12 +549,14 @@ def _last_per_update(path: str) -> list[dict]:
 
 
 def run_sweep(base, cells: Sequence[Cell], algorithms: Sequence[str], out_dir: str, *,
-              log: Callable[[str], None] = print, keep_warm_starts: bool = False) -> list[dict]:
+              log: Callable[[str], None] = print, keep_warm_starts: bool = False,
+              checkpoint_every: int = 0) -> list[dict]:
   """Runs every (cell, algorithm) not yet in `out_dir/results.csv`; returns all result rows.
 
   Each run's rows are appended as it finishes, so a killed sweep loses at most the run under way
   and redoes its cell's warm start, or with `keep_warm_starts` reads it back from
-  `out_dir/warm_starts/` (see `run_cell`)."""
+  `out_dir/warm_starts/` (see `run_cell`). With `checkpoint_every > 0` the run under way loses
+  only the updates since its last checkpoint (`out_dir/partial/`)."""
   os.makedirs(out_dir, exist_ok=True)
   done = {(r["env"], r["horizon"], r["seed"], r["algorithm"]) for r in read_results(out_dir)[0]}
 
@@ -521,7 +580,8 @@ def run_sweep(base, cells: Sequence[Cell], algorithms: Sequence[str], out_dir: s
                                             if len(todo) < len(algorithms) else ""))
     run_cell(base, cell, todo, log=log, setups=setups, warm_algorithm=algorithms[0],
              on_run=record,
-             warm_dir=os.path.join(out_dir, "warm_starts") if keep_warm_starts else None)
+             warm_dir=os.path.join(out_dir, "warm_starts") if keep_warm_starts else None,
+             partial_dir=os.path.join(out_dir, "partial"), checkpoint_every=checkpoint_every)
   return read_results(out_dir)[0]
 
 
