@@ -39,9 +39,9 @@ Variants (`--config=configs/horizon_sweep.py:VARIANT`):
                  three tree estimators, the milestone verifier, and Tree-GRPO plus the milestone
                  verifier), with first-error positions recorded. Sweeps over disjoint seeds may
                  run side by side into one folder (`--config.sweep.seeds=(0,2,4)` and `(1,3)`).
-  credit_study_textworld  the credit study's methods and seeds on TextWorld quest length 8, at
-                 3x the textworld cells' budget (72 updates of 16 games x 8, 9,216 episodes per
-                 run; every other setting the textworld variant's). Build the games first:
+  credit_study_textworld  the credit study's methods and seeds on TextWorld quest length 8 at the
+                 study's 2,304 episodes per run (18 updates of 16 games x 8; every other setting
+                 the textworld variant's), with mid-run checkpoints. Build the games first:
                  experiments/prepare_textworld.py --config=configs/horizon_sweep.py:credit_study_textworld
                  --splits=train --splits=test.
 Every run of a cell (env, N, seed) starts from the same SFT warm start (noisy demonstrator,
@@ -143,14 +143,17 @@ def get_config(arg=None):
     config.pool.workers = 2
     config.pool.timeout_s = 60.0  # a game missing from the cache is generated on its first reset
     if variant == "credit_study_textworld":
-      config.num_updates = 72  # 3x the textworld cells' 24 updates of 16 games x 8
-      config.tasks.train_size = 1024 + 72 * 16  # SFT games, then RL games: none seen twice
+      # 2,304 episodes per run, as in every cell of the study: 3x the v1 budget (768 episodes).
+      config.num_updates = 18
+      # SFT games, then RL games, none seen twice; the split holds more games than 18 updates use
+      # (room for 72), and its size is part of the kept warm starts' fingerprint.
+      config.tasks.train_size = 1024 + 72 * 16
       config.rollout.record_oracle = True  # first-error positions for every method
       config.sweep.textworld = (8,)
       config.sweep.algorithms = CREDIT_STUDY
       config.sweep.seeds = (0, 1, 2, 3, 4)
       config.sweep.keep_warm_starts = True
-      config.sweep.checkpoint_every = 6  # a run is about 40 min; a stop loses at most 6 updates
+      config.sweep.checkpoint_every = 6  # a stopped run loses at most 6 updates
   elif variant == "turn_credit":
     config.sweep.pointer_chain = (8,)
     config.sweep.gridworld = ()

@@ -228,12 +228,13 @@ def test_every_algorithm_label_gives_a_valid_config_with_its_settings():
   combo = horizon.cell_config(study, "pointer_chain", 16, "tree_grpo_milestone_verifier", seed=4)
   assert (combo.algorithm.name, combo.algorithm.step_verifier, combo.rollout.branch_k,
           combo.rollout.record_oracle) == ("tree_grpo", "milestone", 3, True)
-  # ... and on TextWorld quest length 8 at 3x the textworld cells' budget, with enough distinct
-  # games that no RL game repeats and none was seen by SFT.
+  # ... and on TextWorld quest length 8 at the same episodes per run, with enough distinct games
+  # that no RL game repeats and none was seen by SFT.
   tw, tw_cells = _config("credit_study_textworld"), _config("textworld")
   assert tuple(tw.sweep.algorithms) == tuple(study.sweep.algorithms)
-  assert tw.num_updates == 3 * tw_cells.num_updates and tuple(tw.sweep.textworld) == (8,)
-  assert tw.tasks.train_size == tw.sft.episodes + tw.num_updates * tw.rollout.num_tasks
+  episodes = lambda c: c.num_updates * c.rollout.num_tasks * c.rollout.group_size
+  assert episodes(tw) == episodes(study) == 3 * episodes(cpu) and tuple(tw.sweep.textworld) == (8,)
+  assert tw.tasks.train_size >= tw.sft.episodes + tw.num_updates * tw.rollout.num_tasks
   assert tw.sweep.checkpoint_every > 0 and tw.sweep.keep_warm_starts
   for name in ("sft", "optim", "reward", "pool", "eval"):
     assert tw[name].to_dict() == tw_cells[name].to_dict(), name
