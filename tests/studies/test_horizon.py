@@ -340,16 +340,22 @@ def test_a_config_field_added_later_at_its_old_behaviour_keeps_warm_starts():
   assert horizon.warm_fingerprint(changed) != horizon.warm_fingerprint(config)
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in (
-    ROOT / "experiments/results/horizon_sweep_credit_study/warm_starts").glob("*.json")))
-def test_committed_warm_starts_match_their_cells_today(name):
+_KEPT_WARM_STARTS = {"horizon_sweep_credit_study": "credit_study",
+                     "horizon_sweep_credit_study_textworld": "credit_study_textworld"}
+
+
+@pytest.mark.parametrize("folder,name", sorted(
+    (folder, p.stem) for folder in _KEPT_WARM_STARTS
+    for p in (ROOT / "experiments/results" / folder / "warm_starts").glob("*.json")))
+def test_committed_warm_starts_match_their_cells_today(folder, name):
   """Each kept warm start of the credit study still matches its cell's settings under today's
   code, so the study's resume command reads it back instead of refusing it."""
   env, rest = name.rsplit("_N", 1)
   horizon_n, seed = rest.split("_s")
-  info = json.loads((ROOT / "experiments/results/horizon_sweep_credit_study/warm_starts"
+  info = json.loads((ROOT / "experiments/results" / folder / "warm_starts"
                      / f"{name}.json").read_text())
-  config = horizon.cell_config(_config("credit_study"), env, int(horizon_n), "grpo", int(seed))
+  config = horizon.cell_config(_config(_KEPT_WARM_STARTS[folder]), env, int(horizon_n), "grpo",
+                               int(seed))
   assert horizon.warm_settings(config) == info["settings"]
   assert horizon.warm_fingerprint(config) == info["fingerprint"]
 
