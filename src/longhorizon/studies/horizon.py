@@ -50,7 +50,8 @@ from longhorizon.train.learner import Learner
 from longhorizon.train.metrics import Timer
 
 __all__ = ["ALGORITHMS", "Cell", "actions_needed", "cell_config", "step_probabilities",
-           "step_accuracy", "run_cell", "run_sweep", "run_path", "run_fingerprint", "warm_fingerprint", "warm_settings",
+           "step_accuracy", "run_cell", "run_sweep", "run_path", "run_fingerprint",
+           "warm_fingerprint", "warm_settings",
            "save_warm_start", "load_warm_start", "read_results", "read_update_metrics", "summarize",
            "plot_success_vs_horizon", "plot_learning_curves", "plot_sample_efficiency", "plot_all",
            "markdown_table"]
@@ -355,19 +356,18 @@ def _train(learner: Learner, params, cell: Cell, label: str, run_dir: str | None
   if run_dir is not None and every > 0 and not c.rollout.recovery_groups:
     fingerprint = run_fingerprint(c, params)
     checkpointer = Checkpointer(run_dir, max_to_keep=1)
-    if checkpointer.latest_step() is not None:
+  run_started = time.perf_counter()
+  batch_size = c.rollout.num_tasks * c.rollout.group_size
+  try:
+    if checkpointer is not None and checkpointer.latest_step() is not None:
       state, meta = checkpointer.restore(template=state)
       if meta.get("fingerprint") != fingerprint:
-        checkpointer.close()
         raise ValueError(f"{run_dir}: a checkpoint of another run (fingerprint "
                          f"{meta.get('fingerprint')!r}, this run's {fingerprint!r}: other "
                          f"settings or another warm start); move it away to start this run afresh.")
       start, curves = int(meta["update"]), list(meta["curves"])
       episodes, tokens, data_position = meta["episodes"], meta["tokens"], meta["data_position"]
       earlier_s = float(meta["seconds"])
-  run_started = time.perf_counter()
-  batch_size = c.rollout.num_tasks * c.rollout.group_size
-  try:
     for update in range(start, c.num_updates):
       state, metrics = learner.step(state, update, data_position, timer)
       data_position += c.rollout.num_tasks
@@ -441,7 +441,8 @@ def run_cell(base, cell: Cell, algorithms: Sequence[str], *, log: Callable[[str]
   for label in algorithms:
     run_started = time.perf_counter()
     learner = warm_learner.with_config(cell_config(base, cell.env, cell.horizon, label, cell.seed))
-    run_dir = None if partial_dir is None else run_path(partial_dir, cell, label)
+    checkpointed = partial_dir is not None and checkpoint_every > 0
+    run_dir = run_path(partial_dir, cell, label) if checkpointed else None
     state, run_curves, episodes, tokens, earlier_s = _train(learner, warm_params, cell, label,
                                                             run_dir, checkpoint_every)
     curves += run_curves
