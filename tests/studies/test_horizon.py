@@ -197,6 +197,8 @@ def test_a_killed_run_continues_from_its_checkpoint(tmp_path, monkeypatch):
   with pytest.raises(ValueError, match=r"pointer_chain_N2_s0_grpo: a checkpoint of another run"):
     horizon.run_cell(config, cell, ["grpo"], log=lambda _: None, setups=setups,
                      partial_dir=partial, checkpoint_every=2)
+  with pytest.raises(ValueError, match=r"sweep.checkpoint_every must be >= 0 .* got -1"):
+    horizon.run_cell(config, cell, ["grpo"], partial_dir=partial, checkpoint_every=-1)
 
 
 def test_every_algorithm_label_gives_a_valid_config_with_its_settings():

@@ -418,6 +418,9 @@ def run_cell(base, cell: Cell, algorithms: Sequence[str], *, log: Callable[[str]
   called as each algorithm's run finishes. With `partial_dir` and `checkpoint_every > 0` each run
   saves a checkpoint every `checkpoint_every` updates under `run_path(partial_dir, cell, label)`
   and continues from it when restarted (see `_train`); the folder is removed after `on_run`."""
+  if checkpoint_every < 0:
+    raise ValueError(f"sweep.checkpoint_every must be >= 0 (0: no mid-run checkpoints), got "
+                     f"{checkpoint_every}.")
   started = time.perf_counter()
   warm_learner, warm_params, saved = _warm_start(base, cell, warm_algorithm or algorithms[0],
                                                  {} if setups is None else setups, warm_dir)
