@@ -172,16 +172,22 @@ def test_a_killed_run_continues_from_its_checkpoint(tmp_path, monkeypatch):
   kill_at = [3]
   monkeypatch.setattr(horizon.Learner, "step", step)
   partial = str(tmp_path / "partial")
+  lines = []
   with pytest.raises(KeyboardInterrupt):
-    horizon.run_cell(config, cell, ["grpo"], log=lambda _: None, setups=setups,
+    horizon.run_cell(config, cell, ["grpo"], log=lines.append, setups=setups,
                      partial_dir=partial, checkpoint_every=2)
   assert calls == [0, 1, 2, 3]
   assert os.path.isdir(os.path.join(horizon.run_path(partial, cell, "grpo"), "2"))
+  saved = [l for l in lines if "checkpoint saved" in l]  # the progress line of update 2 only
+  assert len(saved) == 1 and "grpo" in saved[0] and "update 2/4" in saved[0], lines
   calls.clear()
   kill_at = [None]
-  rows, curves = horizon.run_cell(config, cell, ["grpo"], log=lambda _: None, setups=setups,
+  lines.clear()
+  rows, curves = horizon.run_cell(config, cell, ["grpo"], log=lines.append, setups=setups,
                                   partial_dir=partial, checkpoint_every=2)
   assert calls == [2, 3]  # continued from the checkpoint at update 2
+  assert any("continues from its checkpoint at update 2/4" in l for l in lines), lines
+  assert not any("checkpoint saved" in l for l in lines)  # none after the last update
   for key in ("warm_success", "final_success", "final_greedy_success", "final_step_accuracy",
               "episodes", "tokens"):
     assert rows[0][key] == straight_rows[0][key], key

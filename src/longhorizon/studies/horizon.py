@@ -336,7 +336,8 @@ def run_fingerprint(config, params) -> str:
 
 
 def _train(learner: Learner, params, cell: Cell, label: str, run_dir: str | None = None,
-           every: int = 0) -> tuple[Any, list[dict], int, int, float]:
+           every: int = 0, log: Callable[[str], None] = print
+           ) -> tuple[Any, list[dict], int, int, float]:
   """Trains `params` (copied) with `learner` for `num_updates`: `(state, curve rows, episodes,
   tokens, seconds spent in earlier processes)`. RL tasks start after the warm start's SFT tasks.
 
@@ -345,6 +346,8 @@ def _train(learner: Learner, params, cell: Cell, label: str, run_dir: str | None
   continues from it: the update's samples depend only on the saved state, the update index and
   the data position, so the result equals the uninterrupted run's. A checkpoint of another run is
   refused with an error naming the folder. The caller removes `run_dir` once the run is recorded.
+  `log` gets a line at each checkpoint (update, training success, seconds so far) and when a run
+  continues from one, so a long run shows its progress.
   Recovery tasks keep their pool of failed starts in the learner, not the state, so a run with
   `rollout.recovery_groups` is not checkpointed."""
   c = learner.config
@@ -368,6 +371,8 @@ def _train(learner: Learner, params, cell: Cell, label: str, run_dir: str | None
       start, curves = int(meta["update"]), list(meta["curves"])
       episodes, tokens, data_position = meta["episodes"], meta["tokens"], meta["data_position"]
       earlier_s = float(meta["seconds"])
+      log(f"  {label:10s} continues from its checkpoint at update {start}/{c.num_updates} "
+          f"[{earlier_s:.0f}s before]")
     for update in range(start, c.num_updates):
       state, metrics = learner.step(state, update, data_position, timer)
       data_position += c.rollout.num_tasks
@@ -379,10 +384,13 @@ def _train(learner: Learner, params, cell: Cell, label: str, run_dir: str | None
                      "first_error": _first_errors(metrics),
                      "metrics": {k: metrics.get(k, "") for k in UPDATE_METRICS}})
       if checkpointer is not None and (update + 1) % every == 0 and update + 1 < c.num_updates:
+        seconds = earlier_s + time.perf_counter() - run_started
         checkpointer.save(update + 1, state, {
             "fingerprint": fingerprint, "update": update + 1, "curves": curves,
             "episodes": episodes, "tokens": tokens, "data_position": data_position,
-            "seconds": earlier_s + time.perf_counter() - run_started})
+            "seconds": seconds})
+        log(f"  {label:10s} update {update + 1}/{c.num_updates}: training success "
+            f"{metrics['success_rate']:.3f}, checkpoint saved  [{seconds:.0f}s]")
   finally:
     if checkpointer is not None:
       checkpointer.close()  # waits for a save under way
@@ -447,7 +455,7 @@ def run_cell(base, cell: Cell, algorithms: Sequence[str], *, log: Callable[[str]
     checkpointed = partial_dir is not None and checkpoint_every > 0
     run_dir = run_path(partial_dir, cell, label) if checkpointed else None
     state, run_curves, episodes, tokens, earlier_s = _train(learner, warm_params, cell, label,
-                                                            run_dir, checkpoint_every)
+                                                            run_dir, checkpoint_every, log)
     curves += run_curves
     final = _evaluate(learner, state.params, c.seed + 17)
     final_p, _ = step_accuracy(learner, state.params, oracle)
