@@ -29,6 +29,9 @@ SMOKE = ["--config=configs/default.py:smoke", "--config.num_updates=2", "--confi
 # start (sft.steps=80, sft.episodes=64) and the rollouts (16 tasks x 8) are the default's.
 DEFAULT = ["--config=configs/default.py", "--config.num_updates=2", "--config.tensorboard=False",
            "--config.progress=False", "--config.eval.num_tasks=16", "--config.checkpoint_every=2"]
+# A mixture of experts on top of the smoke config: 4 experts, top-2, routing replayed (the default).
+MOE = ["--config.model.moe.num_experts=4", "--config.model.moe.experts_per_token=2",
+       "--config.model.moe.intermediate_size=32"]
 
 
 def _train(workdir, data_dir, flags, mesh=(1, 1, 1)):
@@ -53,10 +56,6 @@ def test_mesh_2x2x2_matches_single_device(tmp_path):
     assert b["success_rate"] == a["success_rate"]
   # fsdp x tensor = 4 shards of every large matrix: far fewer bytes per device.
   assert sharded[0]["params/bytes_per_device"] < 0.5 * single[0]["params/bytes_per_device"]
-
-
-MOE = ["--config.model.moe.num_experts=4", "--config.model.moe.experts_per_token=2",
-       "--config.model.moe.intermediate_size=32"]
 
 
 @pytest.mark.slow
