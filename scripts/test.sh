@@ -3,8 +3,7 @@
 # By default the heavier checks marked `slow` (multi-process kill/resume, sharded training on 8
 # emulated devices, per-algorithm learning runs, ...) are skipped; CI (.ci/run) runs them too with
 #   bash scripts/test.sh -m "not heavy"
-# and the checks marked `heavy` (those of `slow` CI has no time for, tests/conftest.py) run by
-# hand: -m heavy.
+# and then the heaviest, marked `heavy` (tests/conftest.py), in what is left of its time: -m heavy.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"

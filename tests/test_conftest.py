@@ -1,9 +1,13 @@
 """The shared fixtures of tests/conftest.py check what they claim: `assert_no_retrace` passes for
 repeated calls of one shape and fails when the jitted function is traced again; implicit rank
-promotion raises."""
+promotion raises; `LONGHORIZON_TEST_DEADLINE` skips the tests due after it and refuses a malformed
+value."""
 
 import functools
 import os
+import subprocess
+import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -47,3 +51,30 @@ def test_implicit_rank_promotion_raises_here_and_in_subprocesses():
     jnp.ones((3,)) + jnp.ones((2, 3))
   np.testing.assert_array_equal(jnp.ones((3,))[None, :] + jnp.ones((2, 3)), np.full((2, 3), 2.0))
   assert os.environ["JAX_NUMPY_RANK_PROMOTION"] == "raise"  # what subprocesses of tests inherit
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TARGET = "tests/test_conftest.py::test_no_retrace_passes_for_repeated_shapes"
+
+
+def _pytest_with_deadline(value: str) -> subprocess.CompletedProcess:
+  env = dict(os.environ, LONGHORIZON_TEST_DEADLINE=value)
+  return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs",
+                         _TARGET], cwd=_ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_deadline_skips_tests_due_after_it_and_runs_those_before():
+  past = _pytest_with_deadline(str(time.time() - 1))
+  assert past.returncode == 0, past.stdout + past.stderr
+  assert "1 skipped" in past.stdout and "passed" not in past.stdout, past.stdout
+  assert "not started: past LONGHORIZON_TEST_DEADLINE" in past.stdout, past.stdout
+  future = _pytest_with_deadline(str(time.time() + 3600))
+  assert future.returncode == 0, future.stdout + future.stderr
+  assert "1 passed" in future.stdout and "skipped" not in future.stdout, future.stdout
+
+
+def test_malformed_deadline_stops_the_session_naming_the_variable():
+  bad = _pytest_with_deadline("in an hour")
+  assert bad.returncode == pytest.ExitCode.USAGE_ERROR, bad.stdout + bad.stderr
+  assert "LONGHORIZON_TEST_DEADLINE='in an hour': not a Unix time" in bad.stdout + bad.stderr
+  assert "passed" not in bad.stdout
