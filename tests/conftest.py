@@ -278,16 +278,20 @@ def _deadline() -> float | None:
                             f"(e.g. {_DEADLINE}=$(( $(date +%s) + 1800 )))") from None
 
 
+_deadline_at: float | None = None  # parsed once per process by pytest_configure
+
+
 def pytest_configure(config):
   del config
-  _deadline()  # a malformed value stops the session before any test runs
+  global _deadline_at
+  _deadline_at = _deadline()  # a malformed value stops the session before any test runs
 
 
 def pytest_runtest_setup(item):
   del item
-  deadline = _deadline()
-  if deadline is not None and time.time() > deadline:
-    pytest.skip(f"not started: past {_DEADLINE} ({time.strftime('%H:%M:%S', time.localtime(deadline))}, "
+  if _deadline_at is not None and time.time() > _deadline_at:
+    pytest.skip(f"not started: past {_DEADLINE} "
+                f"({time.strftime('%H:%M:%S', time.localtime(_deadline_at))}, "
                 f"the time budget .ci/run gives this tier)")
 
 
