@@ -264,3 +264,13 @@ def test_peak_rss_gb_counts_a_fresh_allocation():
                                             capture_output=True, text=True,
                                             timeout=300).stdout.split())
   assert 0.05 < before < after and 0.35 < after - before < 0.45
+
+
+def test_peak_rss_gb_never_falls_below_an_earlier_answer(monkeypatch):
+  """Linux sums resident pages per CPU only approximately, so `VmHWM` can read lower than it did
+  (CI saw 5.50552 GB, then 5.50538 GB, on kernel 6.18): the logged peak is the largest reading."""
+  from longhorizon.train import loop  # pylint: disable=g-import-not-at-top
+  readings = iter([5.50551552, 5.505384448, 5.6])
+  monkeypatch.setattr(loop, "_read_peak_rss_gb", lambda: next(readings))
+  monkeypatch.setattr(loop, "_PEAK_RSS_GB", 0.0)
+  assert [loop.peak_rss_gb() for _ in range(3)] == [5.50551552, 5.50551552, 5.6]

@@ -507,10 +507,25 @@ def _episodes(config, meta: dict) -> dict:
   return dict(out, sampled=out["dpo"] + out["rl"])
 
 
+# The largest peak `peak_rss_gb` has read in this process (see there).
+_PEAK_RSS_GB = 0.0
+
+
 def peak_rss_gb() -> float:
-  """This process's peak resident memory so far, in GB: Linux's `VmHWM` (the address space's own
-  high-water mark; `getrusage`'s `ru_maxrss` survives exec, so a child of a large process would
-  report its parent's peak), else `getrusage` (kilobytes on Linux, bytes on macOS)."""
+  """This process's peak resident memory so far, in GB, never lower than an earlier answer.
+
+  Read from Linux's `VmHWM` (the address space's own high-water mark; `getrusage`'s `ru_maxrss`
+  survives exec, so a child of a large process would report its parent's peak), else `getrusage`
+  (kilobytes on Linux, bytes on macOS). Linux counts resident pages per CPU and sums them only
+  approximately, so a later `VmHWM` can read a few hundred kB below an earlier one (seen on kernel
+  6.18: 5.50552 GB, then 5.50538 GB): the answer is the largest reading so far."""
+  global _PEAK_RSS_GB
+  _PEAK_RSS_GB = max(_PEAK_RSS_GB, _read_peak_rss_gb())
+  return _PEAK_RSS_GB
+
+
+def _read_peak_rss_gb() -> float:
+  """One reading of the peak resident memory, in GB (see `peak_rss_gb`)."""
   try:
     with open("/proc/self/status", encoding="ascii") as f:
       for line in f:
