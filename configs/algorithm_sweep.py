@@ -23,6 +23,9 @@ and its report (mean, 95% interval, how many runs meet default.py's claim):
       --workdir_root=/tmp/lh_seeds
   python experiments/sweep_report.py --root=/tmp/lh_seeds
 
+`:grpo_seeds_sft80` is the same sweep with default.py's warm start before 2026-12-07 (64
+episodes x 80 SFT steps), which made experiments/results/main_job_seeds/sft_steps_80/.
+
 One run by hand (what the sweep runs for run `algorithm.name=gigpo,seed=1`):
 
   python experiments/train.py --config=configs/algorithm_sweep.py \
@@ -31,8 +34,8 @@ One run by hand (what the sweep runs for run `algorithm.name=gigpo,seed=1`):
 
 Result: `<workdir_root>/sweep.json` lists each run's status; each run's workdir holds `eval.json`
 (`success_rate`, `warm_start_success_rate`, `greedy_success_rate` on 128 test tasks) and
-`metrics.jsonl`. Expected: grpo, seed 0 reproduces default.py (sampled success 0.14 -> >= 0.8 after
-60 updates); the other algorithms share every hyperparameter with it (none is tuned per algorithm),
+`metrics.jsonl`. Expected: grpo, seed 0 reproduces default.py (sampled success about 0.26 -> >= 0.9
+after 60 updates); the other algorithms share every hyperparameter with it (none is tuned per algorithm),
 so this sweep measures them at GRPO's settings, and the seeds show the spread of each.
 """
 
@@ -50,23 +53,26 @@ GRPO_SEEDS = (0, 1, 2, 3, 4)
 
 
 def _check(arg):
-  if arg not in (None, "", "smoke", "grpo_seeds"):
+  if arg not in (None, "", "smoke", "grpo_seeds", "grpo_seeds_sft80"):
     raise ValueError(f"unknown config variant {arg!r} of configs/algorithm_sweep.py; use 'smoke', "
-                     "'grpo_seeds' or nothing.")
+                     "'grpo_seeds', 'grpo_seeds_sft80' or nothing.")
 
 
 def get_config(arg=None):
   """default.py's config (its smoke variant for `:smoke`); the sweep sets algorithm and seed."""
   _check(arg)
-  return sweeps.config_module(_DEFAULT).get_config("smoke" if arg == "smoke" else None)
+  config = sweeps.config_module(_DEFAULT).get_config("smoke" if arg == "smoke" else None)
+  if arg == "grpo_seeds_sft80":
+    config.sft.episodes, config.sft.steps = 64, 80
+  return config
 
 
 def get_sweep(arg=None):
-  """algorithm.name x seed (6 x 3 = 18 runs); `smoke`: grpo and gigpo, seed 0; `grpo_seeds`: grpo,
-  seeds 0-4."""
+  """algorithm.name x seed (6 x 3 = 18 runs); `smoke`: grpo and gigpo, seed 0; `grpo_seeds` (and
+  `grpo_seeds_sft80`): grpo, seeds 0-4."""
   _check(arg)
   if arg == "smoke":
     return sweeps.product({"config.algorithm.name": ["grpo", "gigpo"]}, {"config.seed": [0]})
-  if arg == "grpo_seeds":
+  if arg in ("grpo_seeds", "grpo_seeds_sft80"):
     return sweeps.product({"config.algorithm.name": ["grpo"]}, {"config.seed": list(GRPO_SEEDS)})
   return sweeps.product({"config.algorithm.name": list(ALGORITHMS)}, {"config.seed": list(SEEDS)})

@@ -53,6 +53,7 @@ def get_config(arg="summary"):
   config.num_updates = 36
   config.sft.demo_epsilon = 0.02
   config.sft.steps = 300  # the copy of each value into the next lookup emerges after ~60 steps
+  config.sft.episodes = 64  # default.py's when the study was made (it is now 256)
   config.eval.num_tasks = 64
   config.eval.k = 2
   config.context.mode = "summary" if mode == "policy" else mode

@@ -5,7 +5,8 @@ Launch (one run; about 6 minutes on a 2-core CPU):
   python experiments/train.py --config=configs/sft_dpo_rl.py --workdir=/tmp/lh_sft_dpo_rl
 
 The stages:
-1. SFT on 64 noisy-demonstrator episodes (default.py's warm start);
+1. SFT on 64 noisy-demonstrator episodes for 80 steps (default.py's warm start until 2026-12-07,
+   pinned here so that experiments/results/sft_dpo_rl/ reproduces);
 2. DPO: 64 train tasks x 8 rollouts sampled with the warm-started policy, appended to the run's
    trajectory store (`<workdir>/trajectories/`, update 0) and read back; pairs of a successful and
    a failed rollout of one task (`dpo.level='trajectory'`), 20 passes of DPO with beta 0.1 plus
@@ -41,6 +42,8 @@ _DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py"
 
 SEEDS = (0, 1, 2)
 RL_UPDATES = 60  # default.py's RL budget, in updates of 16 tasks x 8 rollouts
+# default.py's warm start when the study was made (it is now 256 episodes x 160 steps).
+SFT_EPISODES, SFT_STEPS = 64, 80
 
 
 def _check(arg):
@@ -67,6 +70,8 @@ def get_config(arg=None):
   d.beta = 0.1
   d.sft_weight = 1.0
   d.learning_rate = 1e-3
+  if arg != "smoke":
+    config.sft.episodes, config.sft.steps = SFT_EPISODES, SFT_STEPS
   if arg == "smoke":
     d.steps, d.tasks, d.group_size = 2, 4, 4
   elif arg == "ablation":

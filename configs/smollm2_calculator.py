@@ -44,6 +44,7 @@ def get_config(arg=None):
   config.loss.kl_coef = 0.01
   config.optim.learning_rate = 1e-6
   config.sft.steps = 20
+  config.sft.episodes = 64  # default.py's until 2026-12-07 (now 256)
   config.sft.demo_epsilon = 0.0
   config.sft.learning_rate = 1e-5
 

@@ -80,10 +80,11 @@ def main(argv):
   lines += ["", "Commands (SEED in 0 1 2; ROOT any folder):", "", "```bash",
             "python experiments/train.py --config=configs/default.py --workdir=ROOT/base_sSEED \\",
             "    --config.seed=SEED --config.num_updates=20 --config.store.enabled=True \\",
-            "    --config.loss.tis_threshold=2.0",
+            "    --config.loss.tis_threshold=2.0 --config.sft.episodes=64 --config.sft.steps=80",
             "python experiments/train.py --config=configs/default.py --workdir=ROOT/replay_sSEED \\",
             "    --config.seed=SEED --config.num_updates=20 --config.store.enabled=True \\",
             "    --config.loss.tis_threshold=2.0 --config.store.replay_groups=8 \\",
+            "    --config.sft.episodes=64 --config.sft.steps=80 \\",
             "    --config.store.replay_failure=2.0 --config.store.replay_half_life=4.0",
             "python experiments/store_replay_report.py --root=ROOT --out=experiments/results/store_replay",
             "```"]

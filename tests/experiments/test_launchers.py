@@ -130,6 +130,12 @@ def test_algorithm_sweep_config_and_overrides_check():
   assert seeds == [{"config.algorithm.name": "grpo", "config.seed": s} for s in range(5)]
   default = sweeps.config_module(str(ROOT / "configs" / "default.py")).get_config()
   assert seeds_config.to_dict() == default.to_dict() == config.to_dict()
+  # The same study with the warm start it was made with (main_job_seeds/sft_steps_80/): only the
+  # SFT budget differs from default.py.
+  old_config, old_seeds = sweeps.load_sweep(f"{SWEEP_CONFIG}:grpo_seeds_sft80")
+  assert old_seeds == seeds and (old_config.sft.episodes, old_config.sft.steps) == (64, 80)
+  old_config.sft.episodes, old_config.sft.steps = default.sft.episodes, default.sft.steps
+  assert old_config.to_dict() == default.to_dict()
   with pytest.raises(ValueError, match="unknown config variant 'big'"):
     sweeps.load_sweep(f"{SWEEP_CONFIG}:big")
 

@@ -4,7 +4,8 @@
   parameter bytes fall with fsdp x tensor;
 - with a mixture of experts (routing replayed from the rollouts, the load-balancing loss in the
   update) the same holds, and the expert stacks are split 4 ways too;
-- on the default config (its full SFT warm start: 80 steps on 64 oracle episodes) the run completes.
+- on the default config with a full SFT warm start (80 steps on 64 oracle episodes, the default's
+  until 2026-12-07) the run completes.
   It used to abort in the warm start: 80 sharded steps dispatched without a wait queued more than
   the CPU client's 32 computations per device and deadlocked a collective (BUILD_NOTES.md, issue 15, "sharded SFT
   deadlock"). The numbers are not compared with one device there: 80 SFT steps amplify the float
@@ -25,10 +26,13 @@ from longhorizon.train.metrics import read_metrics
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 SMOKE = ["--config=configs/default.py:smoke", "--config.num_updates=2", "--config.tensorboard=False",
          "--config.eval.num_tasks=8", "--config.checkpoint_every=2"]
-# The default config as the README launches it, with 2 updates and a 16-task evaluation; the SFT warm
-# start (sft.steps=80, sft.episodes=64) and the rollouts (16 tasks x 8) are the default's.
+# The default config as the README launches it, with 2 updates and a 16-task evaluation; the model
+# and the rollouts (16 tasks x 8) are the default's, the SFT warm start is its earlier, smaller one
+# (80 steps on 64 oracle episodes; the default's 160 x 256 costs eight times as much on 8 emulated
+# devices and shards the same way).
 DEFAULT = ["--config=configs/default.py", "--config.num_updates=2", "--config.tensorboard=False",
-           "--config.progress=False", "--config.eval.num_tasks=16", "--config.checkpoint_every=2"]
+           "--config.progress=False", "--config.eval.num_tasks=16", "--config.checkpoint_every=2",
+           "--config.sft.steps=80", "--config.sft.episodes=64"]
 # A mixture of experts on top of the smoke config: 4 experts, top-2, routing replayed (the default).
 MOE = ["--config.model.moe.num_experts=4", "--config.model.moe.experts_per_token=2",
        "--config.model.moe.intermediate_size=32"]
