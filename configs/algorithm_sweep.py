@@ -35,8 +35,8 @@ One run by hand (what the sweep runs for run `algorithm.name=gigpo,seed=1`):
 Result: `<workdir_root>/sweep.json` lists each run's status; each run's workdir holds `eval.json`
 (`success_rate`, `warm_start_success_rate`, `greedy_success_rate` on 128 test tasks) and
 `metrics.jsonl`. Expected: grpo, seed 0 reproduces default.py (sampled success about 0.26 -> >= 0.9
-after 60 updates); the other algorithms share every hyperparameter with it (none is tuned per algorithm),
-so this sweep measures them at GRPO's settings, and the seeds show the spread of each.
+after 60 updates); the other algorithms share every hyperparameter with it (none is tuned per
+algorithm), so this sweep measures them at GRPO's settings, and the seeds show the spread of each.
 """
 
 import os

@@ -11,7 +11,7 @@ Smoke run (a few updates, for tests; under a minute):
 What happens: a 2-layer, d=128 Llama-style decoder with the environment's word-level tokenizer is
 warm-started by SFT on 256 episodes of a noisy oracle demonstrator (160 steps; competent but
 unreliable when sampled at temperature 1), then trained with GRPO on groups of 8 rollouts per task.
-Expected result on a 2-core CPU (5-10 minutes): sampled success on the test split rises from
+Expected result on a 2-core CPU (4-8 minutes): sampled success on the test split rises from
 the warm start's to >= 0.75, at least 0.3 above it (measured on a Zen 5 EPYC: 0.260 -> 0.988;
 float rounding differs by CPU and the run follows it). Over `config.seed` 0-4 all five runs meet
 that (0.969-0.988). Until 2026-12-07 the warm start was 64 episodes x 80 steps (0.182 -> 0.949 on
