@@ -61,9 +61,10 @@ def _check(arg):
 def get_config(arg=None):
   """default.py's config (its smoke variant for `:smoke`); the sweep sets algorithm and seed."""
   _check(arg)
-  config = sweeps.config_module(_DEFAULT).get_config("smoke" if arg == "smoke" else None)
+  default = sweeps.config_module(_DEFAULT)
+  config = default.get_config("smoke" if arg == "smoke" else None)
   if arg == "grpo_seeds_sft80":
-    config.sft.episodes, config.sft.steps = 64, 80
+    config.sft.episodes, config.sft.steps = default.SFT_UNTIL_2026_12_07
   return config
 
 

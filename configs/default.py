@@ -23,6 +23,9 @@ experiments/results/main_job_seeds/. `eval.json`, `metrics.jsonl`, checkpoints a
 
 import ml_collections
 
+# The warm start until 2026-12-07 (sft.episodes, sft.steps); studies made with it pin it.
+SFT_UNTIL_2026_12_07 = (64, 80)
+
 from longhorizon.envs import RewardSpec
 from longhorizon.models import sharding
 from longhorizon.train.algorithms import AlgorithmOptions

@@ -42,8 +42,6 @@ _DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py"
 
 SEEDS = (0, 1, 2)
 RL_UPDATES = 60  # default.py's RL budget, in updates of 16 tasks x 8 rollouts
-# default.py's warm start when the study was made (it is now 256 episodes x 160 steps).
-SFT_EPISODES, SFT_STEPS = 64, 80
 
 
 def _check(arg):
@@ -60,7 +58,8 @@ def dpo_updates(config) -> int:
 
 def get_config(arg=None):
   _check(arg)
-  config = sweeps.config_module(_DEFAULT).get_config("smoke" if arg == "smoke" else None)
+  default = sweeps.config_module(_DEFAULT)
+  config = default.get_config("smoke" if arg == "smoke" else None)
   config.unlock()
   d = config.dpo
   d.steps = 20
@@ -70,14 +69,11 @@ def get_config(arg=None):
   d.beta = 0.1
   d.sft_weight = 1.0
   d.learning_rate = 1e-3
-  if arg != "smoke":
-    config.sft.episodes, config.sft.steps = SFT_EPISODES, SFT_STEPS
   if arg == "smoke":
     d.steps, d.tasks, d.group_size = 2, 4, 4
-  elif arg == "ablation":
-    config.num_updates = 0
-  else:
-    config.num_updates = RL_UPDATES - dpo_updates(config)
+  else:  # default.py's warm start when the study was made
+    config.sft.episodes, config.sft.steps = default.SFT_UNTIL_2026_12_07
+    config.num_updates = 0 if arg == "ablation" else RL_UPDATES - dpo_updates(config)
   config.lock()
   return config
 
