@@ -1,5 +1,6 @@
 r"""The credit-assignment study's report (longhorizon.studies.credit_report) from a horizon
-sweep's folder: 95% t-intervals over seeds, paired differences to the baseline, sample efficiency,
+sweep's folder: 95% t-intervals over seeds, paired differences to the baseline (p-values, and
+Bonferroni-corrected over the methods compared), sample efficiency,
 p against p^H, where episodes first leave the oracle's path, and the learner's diagnostics
 for runs that ended below their warm start.
 
@@ -36,7 +37,9 @@ def main(argv):
              else max(int(r["updates"]) for r in rows))
   errors = credit_report.read_first_errors(out)
   parts = ["## Final success (95% t-intervals over seeds; paired differences to "
-           f"{_BASELINE.value} on the same seeds, bold where the interval excludes 0)",
+           f"{_BASELINE.value} on the same seeds with two-sided p, bold where the interval "
+           "excludes 0; corrected: Bonferroni over the cell's m methods, bold where that "
+           "interval excludes 0)",
            credit_report.success_table(rows, _BASELINE.value),
            "## Sample efficiency", credit_report.efficiency_table(rows)]
   credit_report.plot_paired_differences(rows, _BASELINE.value,

@@ -26,6 +26,35 @@ def test_interval_by_hand():
   assert math.isnan(cr.interval([0.5])[1])
 
 
+def test_paired_test_by_hand():
+  # Two seeds: t has 1 degree of freedom, the Cauchy distribution, whose quantiles and tails
+  # have closed forms. d = (1, 3): mean 2, se = std / sqrt(2) = 1, t = 2.
+  test = cr.paired_test([1.0, 3.0], comparisons=2)
+  assert test["mean"] == 2.0
+  assert test["half"] == pytest.approx(math.tan(math.pi * 0.475), rel=1e-9)  # 12.706
+  assert test["p"] == pytest.approx(1 - 2 / math.pi * math.atan(2.0), rel=1e-9)  # 0.295
+  assert test["half_corrected"] == pytest.approx(math.tan(math.pi * (0.4875)), rel=1e-9)
+  assert test["p_corrected"] == pytest.approx(2 * test["p"], rel=1e-12)
+  assert cr.paired_test([1.0, 3.0], comparisons=9)["p_corrected"] == 1.0  # capped at 1
+  assert cr.paired_test([0.1, 0.1, 0.1])["p"] == 0.0  # no spread, non-zero mean
+  assert cr.paired_test([0.0, 0.0])["p"] == 1.0
+  with pytest.raises(ValueError, match=">= 2 differences"):
+    cr.paired_test([0.5])
+
+
+def test_paired_test_matches_a_numpy_reference():
+  # The p-value by integrating the t density numerically (no scipy), on random differences.
+  rng = np.random.default_rng(0)
+  for n in (3, 5, 8):
+    d = rng.normal(0.05, 0.1, n)
+    df, t = n - 1, abs(d.mean()) / (d.std(ddof=1) / math.sqrt(n))
+    x = np.linspace(t, t + 2000.0, 4_000_001)
+    dens = (math.gamma((df + 1) / 2) / (math.sqrt(df * math.pi) * math.gamma(df / 2))
+            * (1 + x**2 / df) ** (-(df + 1) / 2))
+    tail = np.trapezoid(dens, x) if hasattr(np, "trapezoid") else np.trapz(dens, x)
+    assert cr.paired_test(d)["p"] == pytest.approx(2 * tail, abs=2e-4)
+
+
 def _row(algorithm, seed, final, warm=0.3, **extra):
   return {"env": "pointer_chain", "horizon": 8, "actions": 9, "algorithm": algorithm,
           "seed": seed, "episodes": 2304, "tokens": 1000, "warm_success": warm,
@@ -47,6 +76,11 @@ def test_paired_differences_remove_the_seed_spread():
   mean, half = cr.interval(gaps)
   assert f"**{mean:.3f} ± {half:.3f}**" in table
   assert "| 5/5 |" in table
+  # Two methods against grpo: Bonferroni over m = 2; the gap is tight enough to survive it.
+  test = cr.paired_test(gaps, comparisons=2)
+  assert test["half_corrected"] > half
+  assert f"| {test['p']:.3f} | 5/5 | **± {test['half_corrected']:.3f} / " in table
+  assert f"/ {test['p_corrected']:.3f} (2)** |" in table
   vine = [line for line in table.splitlines() if "| vine |" in line][0]
   assert "**" not in vine and "| 3/5 |" in vine  # seeds 0, 2, 4 above, 1 and 3 below
   assert "| warm start | 5 |" in table

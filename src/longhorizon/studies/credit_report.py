@@ -7,6 +7,11 @@ seed by seed: the paired difference `success(method) - success(baseline)` over t
 the warm start's spread, which dominates the unpaired intervals at 5 seeds. Intervals are
 Student-t 95% intervals of the mean over seeds (`mean +- t_{0.975, n-1} s / sqrt(n)`).
 
+A cell compares m methods with the baseline, so the success table also gives each paired
+difference's two-sided p-value and its Bonferroni-corrected interval and p-value (family-wise 95%
+over the cell's m comparisons: `t_{1 - 0.025/m, n-1}`, `min(1, m p)`). A difference is a finding
+only where the corrected interval excludes 0.
+
     rows, curves = horizon.read_results(out)
     errors = read_first_errors(out)
     print(success_table(rows, baseline="grpo"))
@@ -25,7 +30,7 @@ import numpy as np
 
 from longhorizon.studies import horizon
 
-__all__ = ["t_quantile", "interval", "success_table", "efficiency_table", "first_error_table",
+__all__ = ["t_quantile", "interval", "paired_test", "success_table", "efficiency_table", "first_error_table",
            "fall_table", "read_first_errors", "plot_paired_differences", "plot_first_errors"]
 
 # t_{0.975, df} for df = 1..30 (two-sided 95%); df > 30 uses the normal 1.96 (within 2%).
@@ -48,6 +53,26 @@ def interval(values) -> tuple[float, float]:
     return float(values.mean()), float("nan")
   half = t_quantile(len(values) - 1) * values.std(ddof=1) / math.sqrt(len(values))
   return float(values.mean()), float(half)
+
+
+def paired_test(differences, comparisons: int = 1) -> dict:
+  """The one-sample t-test of paired `differences` (one per seed, n >= 2) against 0, with the
+  Bonferroni correction for `comparisons` tests: `mean`, `half` (95% half-width), `p` (two-sided),
+  `half_corrected` (half-width at `1 - 0.025 / comparisons`) and `p_corrected` (`min(1, m p)`)."""
+  from scipy import stats  # pylint: disable=import-outside-toplevel  (a jax dependency)
+  d = np.asarray(differences, np.float64)
+  if len(d) < 2 or comparisons < 1:
+    raise ValueError(f"paired_test needs >= 2 differences and >= 1 comparison, got {len(d)} "
+                     f"and {comparisons}.")
+  df, se = len(d) - 1, d.std(ddof=1) / math.sqrt(len(d))
+  mean = float(d.mean())
+  if se <= 1e-12 * abs(mean) or se == 0:  # every seed moved by the same amount (to rounding)
+    p = 1.0 if mean == 0 else 0.0
+  else:
+    p = float(2 * stats.t.sf(abs(mean) / se, df))
+  return {"mean": mean, "half": float(stats.t.ppf(0.975, df) * se), "p": p,
+          "half_corrected": float(stats.t.ppf(1 - 0.025 / comparisons, df) * se),
+          "p_corrected": min(1.0, comparisons * p)}
 
 
 def _cells(rows) -> dict:
@@ -78,29 +103,40 @@ def _fmt(mean: float, half: float) -> str:
 def success_table(rows: Sequence[dict], baseline: str = "grpo") -> str:
   """Markdown: per cell and method, the final sampled success (95% interval over seeds), the
   paired difference to `baseline` on the seeds both ran (95% interval; **bold** where the interval
-  excludes 0), seeds better than the baseline, the greedy success, step accuracy p and p^H."""
-  lines = [f"| env | N | method | seeds | final success | - {baseline} (paired) | seeds above | "
-           "greedy | step acc. p | p^H |", "|---|---|---|---|---|---|---|---|---|---|"]
+  excludes 0) with its p-value, seeds better than the baseline, the Bonferroni-corrected interval
+  and p-value over the cell's m compared methods (**bold** where that interval excludes 0), the
+  greedy success, step accuracy p and p^H."""
+  lines = [f"| env | N | method | seeds | final success | - {baseline} (paired) | p | seeds above | "
+           "corrected (m): ± / p | greedy | step acc. p | p^H |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for (env, n), methods in sorted(_cells(rows).items()):
     base = methods.get(baseline, {})
+    paired = {name: [runs[s]["final_success"] - base[s]["final_success"]
+                     for s in sorted(runs) if s in base]
+              for name, runs in methods.items() if name != baseline}
+    m = sum(len(d) >= 2 for d in paired.values())
     warm = [r["warm_success"] for r in next(iter(methods.values())).values()]
-    lines.append(f"| {env} | {n} | warm start | {len(warm)} | {_fmt(*interval(warm))} | | | | | |")
+    lines.append(f"| {env} | {n} | warm start | {len(warm)} | {_fmt(*interval(warm))} | | | | | | "
+                 "| |")
     for name in _order(methods):
       runs = methods[name]
       seeds = sorted(runs)
       success = [runs[s]["final_success"] for s in seeds]
-      paired = [runs[s]["final_success"] - base[s]["final_success"] for s in seeds if s in base]
-      diff = ""
-      if name != baseline and len(paired) >= 2:
-        mean, half = interval(paired)
-        diff = _fmt(mean, half)
-        if abs(mean) > half:
+      d = paired.get(name, [])
+      diff = p = corrected = ""
+      if len(d) >= 2:
+        test = paired_test(d, m)
+        diff, p = _fmt(test["mean"], test["half"]), f"{test['p']:.3f}"
+        if abs(test["mean"]) > test["half"]:
           diff = f"**{diff}**"
-      above = (f"{sum(d > 0 for d in paired)}/{len(paired)}" if name != baseline and paired
-               else "")
+        corrected = f"± {test['half_corrected']:.3f} / {test['p_corrected']:.3f} ({m})"
+        if abs(test["mean"]) > test["half_corrected"]:
+          corrected = f"**{corrected}**"
+      above = f"{sum(x > 0 for x in d)}/{len(d)}" if d else ""
       col = lambda k: _fmt(*interval([runs[s][k] for s in seeds]))
       lines.append(f"| {env} | {n} | {name} | {len(seeds)} | {_fmt(*interval(success))} | {diff} |"
-                   f" {above} | {col('final_greedy_success')} | {col('final_step_accuracy')} | "
+                   f" {p} | {above} | {corrected} | {col('final_greedy_success')} | "
+                   f"{col('final_step_accuracy')} | "
                    f"{np.mean([runs[s]['final_predicted'] for s in seeds]):.3f} |")
   return "\n".join(lines)
 
