@@ -27,6 +27,7 @@ import os
 from typing import Sequence
 
 import numpy as np
+from scipy import stats
 
 from longhorizon.studies import horizon
 
@@ -59,7 +60,6 @@ def paired_test(differences, comparisons: int = 1) -> dict:
   """The one-sample t-test of paired `differences` (one per seed, n >= 2) against 0, with the
   Bonferroni correction for `comparisons` tests: `mean`, `half` (95% half-width), `p` (two-sided),
   `half_corrected` (half-width at `1 - 0.025 / comparisons`) and `p_corrected` (`min(1, m p)`)."""
-  from scipy import stats  # pylint: disable=import-outside-toplevel  (a jax dependency)
   d = np.asarray(differences, np.float64)
   if len(d) < 2 or comparisons < 1:
     raise ValueError(f"paired_test needs >= 2 differences and >= 1 comparison, got {len(d)} "
