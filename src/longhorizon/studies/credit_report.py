@@ -31,8 +31,9 @@ from scipy import stats
 
 from longhorizon.studies import horizon
 
-__all__ = ["t_quantile", "interval", "paired_test", "success_table", "efficiency_table", "first_error_table",
-           "fall_table", "read_first_errors", "plot_paired_differences", "plot_first_errors"]
+__all__ = ["t_quantile", "interval", "paired_test", "success_table", "efficiency_table",
+           "first_error_table", "fall_table", "read_first_errors", "plot_paired_differences",
+           "plot_first_errors"]
 
 # t_{0.975, df} for df = 1..30 (two-sided 95%); df > 30 uses the normal 1.96 (within 2%).
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
@@ -66,7 +67,7 @@ def paired_test(differences, comparisons: int = 1) -> dict:
                      f"and {comparisons}.")
   df, se = len(d) - 1, d.std(ddof=1) / math.sqrt(len(d))
   mean = float(d.mean())
-  if se <= 1e-12 * abs(mean) or se == 0:  # every seed moved by the same amount (to rounding)
+  if se <= 1e-12 * abs(mean):  # every seed moved by the same amount (to rounding), or none moved
     p = 1.0 if mean == 0 else 0.0
   else:
     p = float(2 * stats.t.sf(abs(mean) / se, df))
@@ -106,8 +107,8 @@ def success_table(rows: Sequence[dict], baseline: str = "grpo") -> str:
   excludes 0) with its p-value, seeds better than the baseline, the Bonferroni-corrected interval
   and p-value over the cell's m compared methods (**bold** where that interval excludes 0), the
   greedy success, step accuracy p and p^H."""
-  lines = [f"| env | N | method | seeds | final success | - {baseline} (paired) | p | seeds above | "
-           "corrected (m): ± / p | greedy | step acc. p | p^H |",
+  lines = [f"| env | N | method | seeds | final success | - {baseline} (paired) | p | "
+           "seeds above | corrected (m): ± / p | greedy | step acc. p | p^H |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for (env, n), methods in sorted(_cells(rows).items()):
     base = methods.get(baseline, {})
