@@ -10,8 +10,10 @@ import pytest
 
 from longhorizon.core import losses
 
-MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
-         "seq-mean-token-sum-norm")
+TOKEN_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+               "seq-mean-token-sum-norm")
+TURN_MODES = ("turn-mean", "seq-mean-turn-mean")
+MODES = TOKEN_MODES + TURN_MODES
 QUANTILES = (("ratio_min", 0.0), ("ratio_q05", 0.05), ("ratio_q50", 0.5), ("ratio_q95", 0.95),
              ("ratio_max", 1.0))
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -41,6 +43,24 @@ def multiturn_mask(rng, b, t):
   return mask
 
 
+def multiturn_turns(rng, mask):
+  """Turn ids for `multiturn_mask`: each action span starts a new turn, except that about a third of
+  them continue the previous span's turn (a turn whose middle tokens are off the mask, e.g. zeroed
+  by a token weight). Ids never decrease along a row's masked tokens; off the mask they are garbage
+  (-1 to 3 T) that must not matter."""
+  b, t = mask.shape
+  turn = rng.integers(-1, 3 * t, size=(b, t)).astype(np.int32)
+  for i in range(b):
+    k, prev = -1, False
+    for j in range(t):
+      if mask[i, j] and not prev:
+        k += 1 if (k < 0 or rng.random() > 0.35) else 0
+      if mask[i, j]:
+        turn[i, j] = k
+      prev = bool(mask[i, j])
+  return turn
+
+
 def random_policy_case(seed, b=6, t=24):
   rng = np.random.default_rng(seed)
   mask = multiturn_mask(rng, b, t)
@@ -58,7 +78,21 @@ def random_policy_case(seed, b=6, t=24):
 # Slow, obviously-correct NumPy reference (float64 loops over rows and tokens).
 
 
-def ref_aggregate(x, mask, mode, norm_constant=None):
+def ref_turn_groups(mask, turn):
+  """Per row, `{turn id: [positions of its masked tokens]}` (the reference groups by id)."""
+  groups = []
+  for i in range(mask.shape[0]):
+    row = {}
+    for j in range(mask.shape[1]):
+      if mask[i, j]:
+        row.setdefault(int(turn[i, j]), []).append(j)
+    groups.append(row)
+  return groups
+
+
+def ref_aggregate(x, mask, mode, norm_constant=None, turn=None):
+  if mode in TURN_MODES:
+    return float(np.sum(ref_aggregate_weights(mask, mode, norm_constant, turn) * x))
   b, t = x.shape
   row_sums, row_means, total, count = [], [], 0.0, 0
   for i in range(b):
@@ -84,9 +118,19 @@ def ref_aggregate(x, mask, mode, norm_constant=None):
   raise AssertionError(mode)
 
 
-def ref_aggregate_weights(mask, mode, norm_constant=None):
+def ref_aggregate_weights(mask, mode, norm_constant=None, turn=None):
   """d aggregate / d x_{b,t} (the aggregate is linear in x)."""
   b, t = mask.shape
+  if mode in TURN_MODES:  # a turn weighs 1 / (turns counted), shared by its tokens
+    groups = ref_turn_groups(mask, turn)
+    total, rows = sum(len(g) for g in groups), sum(1 for g in groups if g)
+    out = np.zeros((b, t))
+    for i, row in enumerate(groups):
+      for positions in row.values():
+        for j in positions:
+          share = 1.0 / total if mode == "turn-mean" else 1.0 / (rows * len(row))
+          out[i, j] = share / len(positions)
+    return out
   counts = [int(sum(mask[i])) for i in range(b)]
   n_total, n_rows = sum(counts), sum(1 for c in counts if c > 0)
   out = np.zeros((b, t))
@@ -139,7 +183,7 @@ def ref_surrogate_token(log_ratio, a, clip_low, clip_high, dual_clip):
 
 
 def ref_policy_loss(logp, old, adv, mask, *, clip_low=0.2, clip_high=0.2, dual_clip=None, agg="token-mean",
-                    is_weights=None, norm_constant=None):
+                    is_weights=None, norm_constant=None, turn=None):
   b, t = logp.shape
   adv = np.broadcast_to(np.asarray(adv)[:, None], (b, t)) if np.ndim(adv) == 1 else adv
   per_token, dloss, clipped, capped, ratio = (np.zeros((b, t)) for _ in range(5))
@@ -151,8 +195,8 @@ def ref_policy_loss(logp, old, adv, mask, *, clip_low=0.2, clip_high=0.2, dual_c
       w = 1.0 if is_weights is None else float(is_weights[i, j])
       per_token[i, j], dloss[i, j], clipped[i, j], capped[i, j], ratio[i, j] = l * w, g * w, c, cap, r
       k3[i, j] = min(r - lr - 1.0, 10.0)
-  loss = ref_aggregate(per_token, mask, agg, norm_constant)
-  grad = ref_aggregate_weights(mask, agg, norm_constant) * dloss
+  loss = ref_aggregate(per_token, mask, agg, norm_constant, turn)
+  grad = ref_aggregate_weights(mask, agg, norm_constant, turn) * dloss
   metrics = {
       "clipfrac": ref_masked_mean(clipped, mask),
       "clipfrac_lower": ref_masked_mean(capped, mask),
@@ -165,7 +209,7 @@ def ref_policy_loss(logp, old, adv, mask, *, clip_low=0.2, clip_high=0.2, dual_c
 
 
 def ref_gspo_loss(logp, old, adv, mask, *, clip_low=3e-4, clip_high=4e-4, agg="seq-mean-token-mean",
-                  is_weights=None, norm_constant=None):
+                  is_weights=None, norm_constant=None, turn=None):
   b, t = logp.shape
   adv = np.broadcast_to(np.asarray(adv)[:, None], (b, t)) if np.ndim(adv) == 1 else adv
   per_token, dloss, clipped, ratio = (np.zeros((b, t)) for _ in range(4))
@@ -177,8 +221,8 @@ def ref_gspo_loss(logp, old, adv, mask, *, clip_low=3e-4, clip_high=4e-4, agg="s
       l, g, c, _, s = ref_surrogate_token(seq_lr, float(adv[i, j]), clip_low, clip_high, None)
       w = 1.0 if is_weights is None else float(is_weights[i, j])
       per_token[i, j], dloss[i, j], clipped[i, j], ratio[i, j] = l * w, g * w, c, s
-  loss = ref_aggregate(per_token, mask, agg, norm_constant)
-  grad = ref_aggregate_weights(mask, agg, norm_constant) * dloss
+  loss = ref_aggregate(per_token, mask, agg, norm_constant, turn)
+  grad = ref_aggregate_weights(mask, agg, norm_constant, turn) * dloss
   metrics = {
       "clipfrac": ref_masked_mean(clipped, mask),
       "clipfrac_lower": 0.0,
@@ -258,19 +302,52 @@ AGG_HAND = {
     "seq-mean-token-sum": 6.5,  # (7 + 6) / 2 rows
     "seq-mean-token-mean": 4.1666667,  # (7/3 + 6/1) / 2
     "seq-mean-token-sum-norm": 1.625,  # (7/4 + 6/4) / 2, C = padded length T = 4
+    "turn-mean": 3.8333333,  # turns (1 + 2)/2, 4/1 and 6/1 (AGG_TURN): (1.5 + 4 + 6) / 3
+    "seq-mean-turn-mean": 4.375,  # ((1.5 + 4) / 2 + 6) / 2
 }
+# Row 0's two turns are [1, 2] and [4]; ids off the mask (-1, 9) do not count.
+AGG_TURN = np.array([[0, 0, -1, 1], [-1, 0, 9, -1], [-1, -1, -1, -1]], np.int32)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_aggregate_by_hand(mode):
-  out = losses.aggregate(AGG_X, AGG_MASK, mode)
+  out = losses.aggregate(AGG_X, AGG_MASK, mode, turn=AGG_TURN)
   assert out.dtype == jnp.float32 and out.shape == ()
   np.testing.assert_allclose(out, AGG_HAND[mode], rtol=1e-6)
   # JAX and bool-mask inputs give the same.
-  np.testing.assert_allclose(losses.aggregate(jnp.asarray(AGG_X), jnp.asarray(AGG_MASK, bool), mode),
-                             AGG_HAND[mode], rtol=1e-6)
+  np.testing.assert_allclose(losses.aggregate(jnp.asarray(AGG_X), jnp.asarray(AGG_MASK, bool), mode,
+                                              turn=jnp.asarray(AGG_TURN)), AGG_HAND[mode], rtol=1e-6)
   # With no valid token at all every mode returns 0.
-  assert float(losses.aggregate(AGG_X, np.zeros_like(AGG_MASK), mode)) == 0.0
+  assert float(losses.aggregate(AGG_X, np.zeros_like(AGG_MASK), mode, turn=AGG_TURN)) == 0.0
+
+
+def test_turn_modes_by_hand():
+  """A turn is a run of one id over the masked tokens: with row 0's tokens all in turn 0 (the
+  unmasked token between them in another turn) row 0 is one turn [1, 2, 4]; turn-mean is then
+  (7/3 + 6) / 2 = 4.1666667 for both turn modes, and a row with more turns weighs more in
+  turn-mean only: with row 0 split into three turns, turn-mean = (1 + 2 + 4 + 6) / 4 = 3.25 and
+  seq-mean-turn-mean = (7/3 + 6) / 2."""
+  one = np.array([[0, 0, 5, 0], [-1, 3, -1, -1], [0, 0, 0, 0]], np.int32)
+  for mode in TURN_MODES:
+    np.testing.assert_allclose(losses.aggregate(AGG_X, AGG_MASK, mode, turn=one), 4.1666667,
+                               rtol=1e-6)
+  three = np.array([[0, 1, 1, 2], [-1, 0, -1, -1], [0, 0, 0, 0]], np.int32)
+  np.testing.assert_allclose(losses.aggregate(AGG_X, AGG_MASK, "turn-mean", turn=three), 3.25,
+                             rtol=1e-6)
+  np.testing.assert_allclose(losses.aggregate(AGG_X, AGG_MASK, "seq-mean-turn-mean", turn=three),
+                             4.1666667, rtol=1e-6)
+  # Turn ids far beyond T (a context segment late in a long episode) are just ids.
+  np.testing.assert_allclose(losses.aggregate(AGG_X, AGG_MASK, "turn-mean", turn=AGG_TURN + 1000),
+                             AGG_HAND["turn-mean"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", TURN_MODES)
+def test_turn_modes_need_turn_ids(mode):
+  with pytest.raises(ValueError, match="need each token's turn id"):
+    losses.aggregate(AGG_X, AGG_MASK, mode)
+  logp, old, adv, mask, _ = random_policy_case(0)
+  with pytest.raises(ValueError, match="need each token's turn id"):
+    losses.policy_loss(logp, old, adv, mask, agg=mode)
 
 
 def test_aggregate_norm_constant():
@@ -289,14 +366,20 @@ def test_aggregate_norm_constant():
 def test_aggregate_matches_reference(seed, mode):
   rng = np.random.default_rng(seed)
   mask = multiturn_mask(rng, 7, 20)
+  turn = multiturn_turns(rng, mask)
   x = rng.normal(size=(7, 20)).astype(np.float32)
   x[mask == 0] = 1e3  # garbage that must be masked out
-  np.testing.assert_allclose(losses.aggregate(x, mask, mode), ref_aggregate(x, mask, mode), **TOL)
-  np.testing.assert_allclose(losses.aggregate(x, mask, mode, 5.0), ref_aggregate(x, mask, mode, 5.0),
-                             **TOL)
+  np.testing.assert_allclose(losses.aggregate(x, mask, mode, turn=turn),
+                             ref_aggregate(x, mask, mode, turn=turn), **TOL)
+  np.testing.assert_allclose(losses.aggregate(x, mask, mode, 5.0, turn),
+                             ref_aggregate(x, mask, mode, 5.0, turn), **TOL)
   # The gradient is the reference's per-token weights (masked positions get none).
-  grad = jax.grad(lambda x: losses.aggregate(x, mask, mode))(jnp.asarray(x))
-  np.testing.assert_allclose(grad, ref_aggregate_weights(mask, mode), **TOL)
+  grad = jax.grad(lambda x: losses.aggregate(x, mask, mode, turn=turn))(jnp.asarray(x))
+  np.testing.assert_allclose(grad, ref_aggregate_weights(mask, mode, turn=turn), **TOL)
+  if mode in TURN_MODES:  # the case has turns of different lengths, continued across a gap
+    groups = ref_turn_groups(mask, turn)
+    assert len({len(p) for row in groups for p in row.values()}) > 2
+    assert any(np.ptp(p) >= len(p) for row in groups for p in row.values())
 
 
 def test_aggregate_unknown_mode_lists_modes():
@@ -304,14 +387,15 @@ def test_aggregate_unknown_mode_lists_modes():
     losses.aggregate(AGG_X, AGG_MASK, "token-means")
   for mode in MODES:
     assert mode in str(err.value)
-  assert tuple(losses.AGGREGATION_MODES) == MODES
+  assert tuple(losses.AGGREGATION_MODES) == MODES and tuple(losses.TURN_MODES) == TURN_MODES
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_aggregate_traced_once(assert_no_retrace, mode):
   rng = np.random.default_rng(3)
   calls = [((jnp.asarray(rng.normal(size=(4, 9)), jnp.float32),
-             jnp.asarray(rng.integers(0, 2, size=(4, 9)), jnp.int32), mode), {"norm_constant": c})
+             jnp.asarray(rng.integers(0, 2, size=(4, 9)), jnp.int32), mode),
+            {"norm_constant": c, "turn": jnp.asarray(rng.integers(0, 4, size=(4, 9)), jnp.int32)})
            for c in (3.0, 7.0, 11.0)]
   assert_no_retrace(losses.aggregate, *calls)
 
@@ -389,7 +473,8 @@ def test_policy_loss_is_weights_and_clamp_by_hand():
 @pytest.mark.parametrize("agg", MODES)
 def test_policy_loss_matches_reference(seed, agg):
   logp, old, adv, mask, _ = random_policy_case(seed)
-  kw = dict(clip_low=0.2, clip_high=0.28, agg=agg)
+  turn = multiturn_turns(np.random.default_rng(seed), mask)
+  kw = dict(clip_low=0.2, clip_high=0.28, agg=agg, turn=turn)
   loss, metrics = losses.policy_loss(logp, old, adv, mask, **kw)
   want_loss, want_metrics, want_grad = ref_policy_loss(logp, old, adv, mask, **kw)
   np.testing.assert_allclose(loss, want_loss, **TOL)
@@ -520,7 +605,8 @@ def test_gspo_loss_matches_reference(seed, agg):
   logp, old, adv, mask, w = random_policy_case(seed, b=8)
   logp = (old + (logp - old) * 0.2).astype(np.float32)  # sequence ratios near 1 (and masked wild ones)
   # Per-token advantages (GSPO-token) and IS weights; a clip range that clips some rows but not all.
-  kw = dict(clip_low=0.02, clip_high=0.03, agg=agg, is_weights=w, norm_constant=12.0)
+  kw = dict(clip_low=0.02, clip_high=0.03, agg=agg, is_weights=w, norm_constant=12.0,
+            turn=multiturn_turns(np.random.default_rng(seed), mask))
   loss, metrics = losses.gspo_loss(logp, old, adv, mask, **kw)
   want_loss, want_metrics, want_grad = ref_gspo_loss(logp, old, adv, mask, **kw)
   np.testing.assert_allclose(loss, want_loss, **TOL)
@@ -774,7 +860,7 @@ def test_truncated_is_policy_loss_by_hand():
   np.testing.assert_allclose(grad, [[-0.5 / 3, 1.0 / 3, -4.0 / 3, 0.0]], rtol=1e-6)
 
 
-def ref_truncated_is_policy_loss(logp, behavior, adv, mask, threshold, agg):
+def ref_truncated_is_policy_loss(logp, behavior, adv, mask, threshold, agg, turn=None):
   b, t = logp.shape
   per_token, dloss, rho = (np.zeros((b, t)) for _ in range(3))
   for i in range(b):
@@ -783,8 +869,8 @@ def ref_truncated_is_policy_loss(logp, behavior, adv, mask, threshold, agg):
       rho[i, j] = r
       per_token[i, j] = -float(adv[i, j]) * min(r, threshold)
       dloss[i, j] = per_token[i, j]  # d/dlogp of -A w exp(logp - sg(logp)) with w detached
-  loss = ref_aggregate(per_token, mask, agg)
-  grad = ref_aggregate_weights(mask, agg) * dloss
+  loss = ref_aggregate(per_token, mask, agg, None, turn)
+  grad = ref_aggregate_weights(mask, agg, None, turn) * dloss
   metrics = {"clipfrac": ref_masked_mean(rho > threshold, mask),
              "approx_kl": ref_masked_mean(behavior.astype(np.float64) - logp, mask),
              "ratio_mean": ref_masked_mean(rho, mask), **ref_quantiles(rho, mask)}
@@ -795,14 +881,16 @@ def ref_truncated_is_policy_loss(logp, behavior, adv, mask, threshold, agg):
 @pytest.mark.parametrize("agg", MODES)
 def test_truncated_is_policy_loss_matches_reference(seed, agg):
   logp, behavior, adv, mask, _ = random_policy_case(seed + 30)
-  loss, metrics = losses.truncated_is_policy_loss(logp, behavior, adv, mask, threshold=1.5, agg=agg)
+  turn = multiturn_turns(np.random.default_rng(seed), mask)
+  loss, metrics = losses.truncated_is_policy_loss(logp, behavior, adv, mask, threshold=1.5, agg=agg,
+                                                  turn=turn)
   want_loss, want_metrics, want_grad = ref_truncated_is_policy_loss(logp, behavior, adv, mask, 1.5,
-                                                                    agg)
+                                                                    agg, turn)
   np.testing.assert_allclose(loss, want_loss, **TOL)
   assert_metrics(metrics, want_metrics)
   assert 0.0 < float(metrics["clipfrac"]) < 1.0  # both truncated and untruncated tokens
   grad = jax.grad(lambda lp: losses.truncated_is_policy_loss(lp, behavior, adv, mask, threshold=1.5,
-                                                             agg=agg)[0])(jnp.asarray(logp))
+                                                             agg=agg, turn=turn)[0])(jnp.asarray(logp))
   np.testing.assert_allclose(grad, want_grad, **TOL)
 
 

@@ -130,6 +130,44 @@ def test_update_is_traced_once(warm, assert_no_retrace):
   assert s.update_fn(*calls[1][0]) is update  # one jitted update per learner
 
 
+def _turn_mean_reference(x, mask, turn):
+  """NumPy `turn-mean`: every (row, turn id) group of masked tokens weighs the same."""
+  groups = {}
+  for (i, j) in zip(*np.nonzero(mask)):
+    groups.setdefault((i, int(turn[i, j])), []).append(float(x[i, j]))
+  return sum(np.mean(v) for v in groups.values()) / len(groups)
+
+
+def test_the_update_aggregates_by_the_batch_turns(warm):
+  """`loss.agg='turn-mean'` reads the batch's own turn ids: on the update's first step the ratio
+  is 1, so the policy loss is the turn-mean of -A over the loss mask, which a NumPy loop over
+  `EpisodeBatch.turn` gives; and it differs from the token-mean the same batch gives. (This
+  task's actions all have one length, so a token weight drops the first token of some turns and
+  the advantages are drawn per token, or the two weightings would coincide.)"""
+  s, state = warm
+  db = _batch(s, state)
+  inputs = s.learn_inputs(state, db)
+  turn, loss_mask = np.asarray(db.turn), np.asarray(db.loss_mask)
+  rng = np.random.default_rng(0)
+  token_weight = np.ones(loss_mask.shape, np.float32)
+  for i in range(0, loss_mask.shape[0], 2):
+    token_weight[i, np.argmax(loss_mask[i])] = 0.0  # the first token of row i's first turn
+  adv = rng.normal(size=loss_mask.shape).astype(np.float32) * loss_mask
+  inputs = inputs._replace(advantages=jnp.asarray(adv), token_weight=jnp.asarray(token_weight))
+  mask = loss_mask & (np.asarray(inputs.row_weight)[:, None] > 0) & (token_weight > 0)
+  assert len({(i, int(turn[i, j])) for i, j in zip(*np.nonzero(mask))}) > mask.any(1).sum()
+  got = {}
+  for agg in ("turn-mean", "token-mean"):
+    learner = dataclasses.replace(s, loss=dataclasses.replace(s.loss, agg=agg),
+                                  optim=dataclasses.replace(s.optim, minibatches=1, epochs=1))
+    _, metrics = learner.update(jax.tree.map(jnp.array, state), db, inputs)
+    got[agg] = float(metrics["policy_loss"])
+  want = _turn_mean_reference(-adv, mask, turn)
+  np.testing.assert_allclose(got["turn-mean"], want, rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(got["token-mean"], -adv[mask].mean(), rtol=1e-4, atol=1e-6)
+  assert abs(want - float(-adv[mask].mean())) > 1e-3  # the two weightings differ on this batch
+
+
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum-norm"])
 @pytest.mark.slow  # over 24 s on a 2-core AMD EPYC (BUILD_NOTES, the test tiers)
 def test_a_batch_cut_to_its_length_bucket_updates_like_the_full_length_one(warm, agg):

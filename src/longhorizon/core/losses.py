@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 __all__ = [
     "AGGREGATION_MODES",
+    "TURN_MODES",
     "KL_ESTIMATORS",
     "aggregate",
     "policy_loss",
@@ -64,33 +65,71 @@ def _mean_over_rows(per_row, has_tokens):
   return jnp.sum(jnp.where(has_tokens, per_row, 0.0)) / jnp.maximum(jnp.sum(has_tokens), 1).astype(_F32)
 
 
-def _token_mean(x, mask, norm_constant):
-  del norm_constant
+def _token_mean(x, mask, norm_constant, turn):
+  del norm_constant, turn
   return masked_mean(x, mask)
 
 
-def _token_sum(x, mask, norm_constant):
-  del norm_constant
+def _token_sum(x, mask, norm_constant, turn):
+  del norm_constant, turn
   return jnp.sum(jnp.where(_bool(mask), x, 0.0))
 
 
-def _seq_mean_token_sum(x, mask, norm_constant):
-  del norm_constant
+def _seq_mean_token_sum(x, mask, norm_constant, turn):
+  del norm_constant, turn
   row_sum, _, has_tokens = _row_stats(x, mask)
   return _mean_over_rows(row_sum, has_tokens)
 
 
-def _seq_mean_token_mean(x, mask, norm_constant):
-  del norm_constant
+def _seq_mean_token_mean(x, mask, norm_constant, turn):
+  del norm_constant, turn
   row_sum, row_count, has_tokens = _row_stats(x, mask)
   return _mean_over_rows(row_sum / jnp.maximum(row_count, 1.0), has_tokens)
 
 
-def _seq_mean_token_sum_norm(x, mask, norm_constant):
+def _seq_mean_token_sum_norm(x, mask, norm_constant, turn):
+  del turn
   row_sum, _, has_tokens = _row_stats(x, mask)
   if norm_constant is None:
     norm_constant = x.shape[-1]
   return _mean_over_rows(row_sum / _f32(norm_constant), has_tokens)
+
+
+def _turn_runs(mask, turn):
+  """`(token_weight, turns_per_row)`: each masked token's `1 / n` with `n` the masked tokens of its
+  turn in its row, and `[B]` the number of turns with masked tokens per row. A turn is a run of
+  masked tokens of one row with the same `turn` id and no masked token of another turn between
+  them (a turn's action is contiguous in an `EpisodeBatch`; unmasked observation tokens between two
+  runs of one id do not split it). O(B T): no `[B, T, T]` comparison, no static turn count."""
+  if turn is None:
+    raise ValueError(f"the turn-level aggregation modes {TURN_MODES} need each token's turn id "
+                     "(`turn`, the EpisodeBatch field of the same [B, T] shape); got None.")
+  m = _bool(mask)
+  turn = jnp.asarray(turn).astype(jnp.int32)
+  chex.assert_equal_shape([m, turn])
+  b, t = m.shape
+  pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+  last = jax.lax.cummax(jnp.where(m, pos, -1), axis=1)  # the last masked position <= t
+  before = jnp.pad(last[:, :-1], ((0, 0), (1, 0)), constant_values=-1)  # ... < t
+  prev_turn = jnp.take_along_axis(turn, jnp.maximum(before, 0), axis=1)
+  starts = m & ((before < 0) | (turn != prev_turn))
+  run = jnp.maximum(jnp.cumsum(starts, axis=1) - 1, 0) + t * jnp.arange(b)[:, None]
+  count = jax.ops.segment_sum(m.astype(_F32).ravel(), run.ravel(), num_segments=b * t)
+  weight = jnp.where(m, 1.0 / jnp.maximum(count[run], 1.0), 0.0)
+  return weight, jnp.sum(starts, axis=1).astype(_F32)
+
+
+def _turn_mean(x, mask, norm_constant, turn):
+  del norm_constant
+  weight, turns = _turn_runs(mask, turn)
+  return jnp.sum(jnp.where(weight > 0, weight * x, 0.0)) / jnp.maximum(jnp.sum(turns), 1.0)
+
+
+def _seq_mean_turn_mean(x, mask, norm_constant, turn):
+  del norm_constant
+  weight, turns = _turn_runs(mask, turn)
+  per_row = jnp.sum(jnp.where(weight > 0, weight * x, 0.0), axis=-1) / jnp.maximum(turns, 1.0)
+  return _mean_over_rows(per_row, turns > 0)
 
 
 _AGGREGATORS: dict[str, Callable] = {
@@ -99,7 +138,10 @@ _AGGREGATORS: dict[str, Callable] = {
     "seq-mean-token-sum": _seq_mean_token_sum,
     "seq-mean-token-mean": _seq_mean_token_mean,
     "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
+    "turn-mean": _turn_mean,
+    "seq-mean-turn-mean": _seq_mean_turn_mean,
 }
+TURN_MODES = ("turn-mean", "seq-mean-turn-mean")  # the modes that read `turn`
 AGGREGATION_MODES = tuple(_AGGREGATORS)
 
 
@@ -111,7 +153,8 @@ def _aggregator(mode: str) -> Callable:
 
 
 @functools.partial(jax.jit, static_argnames=("mode",))
-def aggregate(x: chex.Array, mask: chex.Array, mode: str, norm_constant=None) -> jax.Array:
+def aggregate(x: chex.Array, mask: chex.Array, mode: str, norm_constant=None,
+              turn: chex.Array | None = None) -> jax.Array:
   """Reduces a `[B, T]` per-token quantity to a scalar over the tokens with mask 1.
 
   Modes (`n_b` = valid tokens of row `b`, `R` = rows with `n_b > 0`):
@@ -123,19 +166,28 @@ def aggregate(x: chex.Array, mask: chex.Array, mode: str, norm_constant=None) ->
     * `seq-mean-token-sum-norm`: `1/|R| sum_{b in R} (1/C) sum_t x` with the constant `C =
       norm_constant`, default the padded length `T` (Dr.GRPO). Convention: averaged over rows with
       tokens; verl's mode of this name sums over rows instead (a constant factor `B` apart).
-  Sequence modes average over rows with at least one valid token; with no valid token at all every
-  mode returns 0.
+    * `turn-mean`: `1/sum_b K_b sum_{b,k} (1/n_bk) sum_{t in turn k} x` with `n_bk` the valid
+      tokens of turn `k` of row `b` and `K_b` the turns of row `b` with valid tokens: every turn
+      of the batch weighs the same, however many tokens its action has (DAPO's token-level
+      normalisation moved to turns: a long episode's turns are not diluted by its length, and a
+      verbose turn does not outweigh a terse one).
+    * `seq-mean-turn-mean`: `1/|R| sum_{b in R} (1/K_b) sum_k (1/n_bk) sum_{t in turn k} x`:
+      every row weighs the same, and within it every turn.
+  Sequence modes average over rows with at least one valid token (a row is an episode, or one
+  context segment of it); with no valid token at all every mode returns 0. The turn modes read
+  `turn` (`EpisodeBatch.turn`); a turn is a run of valid tokens with one turn id (`_turn_runs`).
 
   Args:
     x: `[B, T]` per-token values.
     mask: `[B, T]` 1 on tokens that count.
     mode: one of `AGGREGATION_MODES` (static).
     norm_constant: scalar `C` for `seq-mean-token-sum-norm` (ignored by other modes).
+    turn: `[B, T]` int turn id of each token, for `TURN_MODES` (ignored by other modes).
   """
   x, mask = jnp.asarray(x), jnp.asarray(mask)
   chex.assert_rank(x, 2)
   chex.assert_equal_shape([x, mask])
-  return _aggregator(mode)(_f32(x), mask, norm_constant)
+  return _aggregator(mode)(_f32(x), mask, norm_constant, turn)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -155,7 +207,7 @@ def _masked_quantiles(x, mask, qs):
 
 
 def _clipped_surrogate(log_ratio, advantages, mask, *, clip_low, clip_high, dual_clip, is_weights,
-                       agg, norm_constant, extra_metrics):
+                       agg, norm_constant, turn, extra_metrics):
   """PPO clipped surrogate on given log-ratios; shared by `policy_loss` and `gspo_loss`."""
   ratio = jnp.exp(jnp.clip(log_ratio, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
   loss_unclipped = -advantages * ratio
@@ -171,7 +223,7 @@ def _clipped_surrogate(log_ratio, advantages, mask, *, clip_low, clip_high, dual
     capped = jnp.zeros_like(mask, dtype=bool)
   if is_weights is not None:
     per_token = per_token * jax.lax.stop_gradient(_f32(is_weights))
-  loss = _aggregator(agg)(per_token, mask, norm_constant)
+  loss = _aggregator(agg)(per_token, mask, norm_constant, turn)
   metrics = {
       "clipfrac": masked_mean(loss_clipped > loss_unclipped, mask),
       "clipfrac_lower": masked_mean(capped, mask),
@@ -214,7 +266,8 @@ def policy_loss(logp: chex.Array,
                 dual_clip: float | None = None,
                 agg: str = "token-mean",
                 is_weights: chex.Array | None = None,
-                norm_constant=None):
+                norm_constant=None,
+                turn: chex.Array | None = None):
   """PPO clipped policy loss (Schulman et al. 2017) with clip-higher, dual clip and IS weights.
 
       r_t = exp(clip(logp_t - old_logp_t, -20, 20))
@@ -235,6 +288,7 @@ def policy_loss(logp: chex.Array,
     agg: aggregation mode (static), see `aggregate`.
     is_weights: optional `[B, T]` importance weights, e.g. `truncated_is_weights`.
     norm_constant: constant for `seq-mean-token-sum-norm`.
+    turn: `[B, T]` turn ids, for the turn-level modes (`TURN_MODES`).
 
   Returns:
     `(loss, metrics)`: `clipfrac` (share of tokens where the clipped branch is active),
@@ -250,7 +304,7 @@ def policy_loss(logp: chex.Array,
   }
   return _clipped_surrogate(log_ratio, advantages, mask, clip_low=clip_low, clip_high=clip_high,
                             dual_clip=dual_clip, is_weights=is_weights, agg=agg,
-                            norm_constant=norm_constant, extra_metrics=extra)
+                            norm_constant=norm_constant, turn=turn, extra_metrics=extra)
 
 
 @functools.partial(jax.jit, static_argnames=("agg",))
@@ -263,7 +317,8 @@ def gspo_loss(logp: chex.Array,
               clip_high=4e-4,
               agg: str = "seq-mean-token-mean",
               is_weights: chex.Array | None = None,
-              norm_constant=None):
+              norm_constant=None,
+              turn: chex.Array | None = None):
   """GSPO: PPO clipping on the sequence-level ratio (Zheng et al. 2025, "Group Sequence Policy
   Optimization"), in its GSPO-token form.
 
@@ -282,6 +337,7 @@ def gspo_loss(logp: chex.Array,
     agg: aggregation mode (static).
     is_weights: optional `[B, T]` detached weights.
     norm_constant: constant for `seq-mean-token-sum-norm`.
+    turn: `[B, T]` turn ids, for the turn-level modes (`TURN_MODES`).
 
   Returns:
     `(loss, metrics)` with the metrics of `policy_loss` computed on the sequence ratio.
@@ -297,7 +353,7 @@ def gspo_loss(logp: chex.Array,
   }
   return _clipped_surrogate(log_ratio, advantages, mask, clip_low=clip_low, clip_high=clip_high,
                             dual_clip=None, is_weights=is_weights, agg=agg,
-                            norm_constant=norm_constant, extra_metrics=extra)
+                            norm_constant=norm_constant, turn=turn, extra_metrics=extra)
 
 
 @functools.partial(jax.jit, static_argnames=("agg",))
@@ -308,7 +364,8 @@ def truncated_is_policy_loss(logp: chex.Array,
                              *,
                              threshold=2.0,
                              agg: str = "token-mean",
-                             norm_constant=None):
+                             norm_constant=None,
+                             turn: chex.Array | None = None):
   """Truncated importance-sampled policy gradient against the behaviour policy (no proximal policy,
   no PPO clip): the policy-gradient term of V-trace (Espeholt et al. 2018, "IMPALA", with
   `rho_bar = C`), as used for stale samples in asynchronous RL.
@@ -330,6 +387,7 @@ def truncated_is_policy_loss(logp: chex.Array,
     threshold: truncation constant `C > 0`.
     agg: aggregation mode (static), see `aggregate`.
     norm_constant: constant for `seq-mean-token-sum-norm`.
+    turn: `[B, T]` turn ids, for the turn-level modes (`TURN_MODES`).
 
   Returns:
     `(loss, metrics)` with the keys of `policy_loss`: `clipfrac` is the share of truncated tokens
@@ -341,7 +399,7 @@ def truncated_is_policy_loss(logp: chex.Array,
   rho = jnp.exp(jnp.clip(log_ratio, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
   weight = jax.lax.stop_gradient(jnp.minimum(rho, _f32(threshold)))
   per_token = -advantages * weight * jnp.exp(logp - jax.lax.stop_gradient(logp))
-  loss = _aggregator(agg)(per_token, mask, norm_constant)
+  loss = _aggregator(agg)(per_token, mask, norm_constant, turn)
   metrics = {
       "clipfrac": masked_mean(rho > threshold, mask),
       "clipfrac_lower": jnp.zeros((), _F32),
@@ -410,7 +468,8 @@ def value_loss(values: chex.Array,
                mask: chex.Array,
                *,
                clip: float | None,
-               agg: str = "token-mean"):
+               agg: str = "token-mean",
+               turn: chex.Array | None = None):
   """Clipped value loss (PPO2 / OpenAI baselines); `clip` has no default (the learner passes
   `LossOptions.value_clip`, the one place it is set):
 
@@ -424,6 +483,7 @@ def value_loss(values: chex.Array,
     mask: `[B, T]` 1 on tokens with a target.
     clip: clip range (static) or None.
     agg: aggregation mode (static).
+    turn: `[B, T]` turn ids, for the turn-level modes (`TURN_MODES`).
 
   Returns:
     `(loss, metrics)`: `vf_clipfrac` (share of tokens where the clipped branch is larger),
@@ -452,7 +512,7 @@ def value_loss(values: chex.Array,
       "vf_explained_var": jnp.where(var_r > 0, 1.0 - var_res / jnp.maximum(var_r, 1e-12), 0.0),
       "value_mean": masked_mean(values, mask),
   }
-  return _aggregator(agg)(per_token, mask, None), {k: _f32(v) for k, v in metrics.items()}
+  return _aggregator(agg)(per_token, mask, None, turn), {k: _f32(v) for k, v in metrics.items()}
 
 
 _IS_LEVELS = ("token", "sequence")

@@ -33,8 +33,9 @@ ANCHORS = ("proximal", "behaviour")
 @dataclasses.dataclass(frozen=True)
 class PolicyLoss:
   name: str
-  # (logp, old_logp, advantages, mask, is_weights, options) -> (loss, metrics); all [B, L] but the
-  # scalar loss, `is_weights` None when off.
+  # (logp, old_logp, advantages, mask, is_weights, options, turn) -> (loss, metrics); all [B, L]
+  # but the scalar loss and `options`, `is_weights` None when off; `turn` (the batch's turn ids) is
+  # for the turn-level aggregation modes (`options.agg` in `losses.TURN_MODES`).
   fn: Callable
   anchor: str = "proximal"  # one of ANCHORS (see the module docstring)
 
@@ -100,23 +101,23 @@ class LossOptions(Options):
     return POLICY_LOSSES[self.name]
 
 
-def _ppo_clip(logp, old_logp, adv, mask, is_weights, o: LossOptions):
+def _ppo_clip(logp, old_logp, adv, mask, is_weights, o: LossOptions, turn):
   return losses.policy_loss(logp, old_logp, adv, mask, clip_low=o.clip_low, clip_high=o.clip_high,
                             dual_clip=o.dual_clip or None, agg=o.agg, is_weights=is_weights,
-                            norm_constant=o.norm_length or None)
+                            norm_constant=o.norm_length or None, turn=turn)
 
 
-def _gspo(logp, old_logp, adv, mask, is_weights, o: LossOptions):
+def _gspo(logp, old_logp, adv, mask, is_weights, o: LossOptions, turn):
   return losses.gspo_loss(logp, old_logp, adv, mask, clip_low=o.gspo_clip_low,
                           clip_high=o.gspo_clip_high, agg=o.agg, is_weights=is_weights,
-                          norm_constant=o.norm_length or None)
+                          norm_constant=o.norm_length or None, turn=turn)
 
 
-def _tis(logp, behavior_logp, adv, mask, is_weights, o: LossOptions):
+def _tis(logp, behavior_logp, adv, mask, is_weights, o: LossOptions, turn):
   del is_weights  # the loss is itself the truncated-IS correction
   return losses.truncated_is_policy_loss(logp, behavior_logp, adv, mask,
                                          threshold=o.tis_threshold, agg=o.agg,
-                                         norm_constant=o.norm_length or None)
+                                         norm_constant=o.norm_length or None, turn=turn)
 
 
 register(PolicyLoss("ppo_clip", _ppo_clip))

@@ -238,20 +238,22 @@ def _policy_loss(trainable, frozen, mb, *, config: ModelConfig, loss: LossOption
       lora.combine(trainable, frozen), config, mb["batch"], temperature=temperature,
       chunk_size=loss.chunk_size, return_entropy=True, dropout_rng=mb["dropout_rng"],
       return_aux=True, value_head=value_head, prefix_length=prefix_length)
-  value, metrics = loss.spec.fn(logp, mb["old_logp"], mb["adv"], mb["mask"], mb["is_weights"], loss)
+  turn = mb["batch"].turn  # the turn-level aggregation modes' turns (`losses.TURN_MODES`)
+  value, metrics = loss.spec.fn(logp, mb["old_logp"], mb["adv"], mb["mask"], mb["is_weights"], loss,
+                                turn)
   metrics = dict(metrics, policy_loss=value, entropy=losses.masked_mean(ent, mb["mask"]))
   if config.num_experts:  # MoE: the load-balancing loss, over every real token of the minibatch
     metrics["moe_aux_loss"] = aux
     value = value + config.router_aux_loss_coef * aux
   if loss.entropy_coef:
     value = value - loss.entropy_coef * losses.aggregate(ent, mb["mask"], loss.agg,
-                                                         loss.norm_length or None)
+                                                         loss.norm_length or None, turn)
   if mb["ref_logp"] is not None:
     kl = losses.kl(logp, mb["ref_logp"], loss.kl_kind)
     metrics["kl_ref"] = losses.masked_mean(kl, mb["mask"])
     if loss.kl_coef:
       value = value + loss.kl_coef * losses.aggregate(kl, mb["mask"], loss.agg,
-                                                   loss.norm_length or None)
+                                                   loss.norm_length or None, turn)
   if value_head is not None:
     vvalue, vmetrics = _value_term(values[0], mb, loss)
     value, metrics = value + vvalue, dict(metrics, **vmetrics)
