@@ -184,6 +184,16 @@ class HostEnvironment:
   def task_difficulty(self, task: dict) -> int:
     return int(task.get("difficulty", 0))
 
+  def episode_info(self, task: dict, infos: list) -> dict:
+    """Facts about a finished episode that evaluation reports, as `Environment.episode_info`
+    (`collateral_damage`, `attacked`, `attack_success`; bool or int), from its task and the `info`
+    dicts of its steps, oldest first (steps answered with an environment error left out; a row
+    forked from a saved state has only its own steps'). Every episode must give the same keys.
+    Called in the learner's process, on an instance that never stepped: read nothing but the
+    arguments. Default none."""
+    del task, infos
+    return {}
+
   def codec(self, tokenizer=None, style: str = "compact"):
     return HostCodec(self, tokenizer, style)
 

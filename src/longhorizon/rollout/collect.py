@@ -58,6 +58,7 @@ from longhorizon.rollout.recovery import (RECOVERY_FROM, RecoveryStarts, first_e
                                            recovery_starts)
 from longhorizon.envs import RewardSpec
 from longhorizon.envs.host import Observation, StepResult, is_host
+from longhorizon.envs.host_wrappers import GuardedRows, guards_of
 from longhorizon.envs.pool import pool_for
 from longhorizon.envs.types import ErrorCode
 from longhorizon.rollout.versions import env_version, reward_version
@@ -624,6 +625,7 @@ class _HostRows:
     self.names = {name: i for i, name in enumerate(env.milestone_names)}
     # Branch rollouts: each step's snapshots `{row: snapshot or None}`.
     self.keep_history, self.track_oracle, self.snapshots = False, False, []
+    self.guarded, self.anchors = None, []  # set by `start` / `resume`
 
   def fork(self, parents, steps, milestones) -> "_HostRows":
     """Rows in saved states: row `i` in row `parents[i]`'s state before its step `steps[i]`
@@ -636,6 +638,11 @@ class _HostRows:
   def saved(self, parents, steps) -> list:
     """Row `parents[i]` before its step `steps[i]` as `EnvPool.fork` sources: `(task, seed,
     actions so far, that step's snapshot or None)`."""
+    if self.guarded is not None and self.guarded.rates:
+      raise ValueError(f"branch and recovery rollouts of the host environment {self.env.name!r} "
+                       "cannot start from saved states while faults are injected (env.faults): "
+                       "a faulted call never reached the environment, so its history does not "
+                       "index the episode's steps.")
     histories = [list(row.history) for row in self.pool.rows]
     return [(self.tasks[p], self.pool.rows[p].seed, histories[p][:t], self.snapshots[t].get(p))
             for p, t in zip(parents, steps)]
@@ -646,7 +653,10 @@ class _HostRows:
     `collect`), with the milestones they had reached (`[R, M]` bool)."""
     rows = cls(env, codec)
     rows.tasks = [source[0] for source in sources]
+    rows.infos = [[] for _ in sources]  # the facts of a forked row's own steps
     rows.reached = np.asarray(milestones, bool).copy()
+    rows.anchors = [0] * len(sources)  # a forked row's loop check starts afresh
+    rows._guard([source[1] for source in sources], [len(source[2]) for source in sources])
     rows.pool.fork(sources)
     return rows
 
@@ -657,6 +667,8 @@ class _HostRows:
     b = len(self.tasks)
     first = self.pool.reset(self.tasks, [int(x) for x in seeds])
     self.reached = np.zeros((b, self.env.num_milestones), bool)
+    self.infos = [[] for _ in range(b)]  # each row's step infos, for `env.episode_info`
+    self._guard([int(x) for x in seeds], [0] * b)
     texts = [o.text if isinstance(o, Observation) else "" for o in first]
     prompts = [self.codec.render_prompt(text) for text in texts]
     stats.unknown_words += sum(_unknown_count(self.codec, ids, lambda t=t: self.codec.prompt_text(t))
@@ -666,7 +678,15 @@ class _HostRows:
       raise ValueError(f"context_length={length} cannot hold the longest prompt ({longest} "
                        f"tokens) and one turn ({config.turn_tokens} tokens + end of turn); raise "
                        f"rollout.context_length or shorten the prompt.")
-    return prompts, np.array([self.env.anchor(t) for t in texts], np.uint32)
+    anchors = np.array([self.env.anchor(t) for t in texts], np.uint32)
+    self.anchors = [int(a) for a in anchors]
+    return prompts, anchors
+
+  def _guard(self, seeds, steps):
+    """Faults, tool costs and loop detection (`envs/host_wrappers.py`), when `guard` set any."""
+    guards = guards_of(self.env)
+    self.guarded = None if guards is None else GuardedRows(
+        self.env, guards, seeds, getattr(self.codec, "style", "tool_call"), steps)
 
   def states(self, active):
     return _HostStates(self.pool, active)
@@ -681,7 +701,15 @@ class _HostRows:
       best, self.match = self.pool.oracle([int(r) for r in rows]), np.zeros(len(active), np.int32)
       for r, a in actions.items():
         self.match[r] = best.get(r) is not None and best[r].split() == a.split()
-    self.results = self.pool.step(actions)
+    if self.guarded is None:
+      self.results = self.pool.step(actions)
+      return self._timestep(len(active))
+    # A faulted call is answered here and never made; the others get their cost and loop check.
+    faulted = {r: f for r, a in actions.items() if (f := self.guarded.before(r, a)) is not None}
+    self.results = {**faulted, **self.pool.step({r: a for r, a in actions.items()
+                                                 if r not in faulted})}
+    self.results = {r: self.guarded.after(r, actions[r], self.anchors[r], res)
+                    for r, res in self.results.items()}
     return self._timestep(len(active))
 
   def _timestep(self, b: int) -> SimpleNamespace:
@@ -704,16 +732,22 @@ class _HostRows:
       hit = np.zeros((m,), bool)
       hit[[self.names[n] for n in res.milestones if n in self.names]] = True
       ok = not res.env_error
+      if ok:
+        self.infos[r].append(res.info)
       out.milestones[r] = hit & ~self.reached[r] & ok
       self.reached[r] |= hit & ok
       out.cost[r] = res.cost if ok else 0.0
       out.latency[r] = self.pool.latency.get(r, 0.0)
       out.violation[r] = res.violation and ok
       out.env_error[r] = res.env_error
-      code = res.error if ok else 0
+      fault = int(res.info.get("fault", 0))  # an injected fault (envs/host_wrappers.py)
+      out.fault[r], out.loop[r] = fault, bool(res.info.get("loop", False))
+      code = (res.error or fault) if ok else 0
       out.observation["error"][r] = code
       out.invalid_action[r] = 1 <= code <= int(ErrorCode.NOT_ALLOWED)
-      out.anchor[r] = self.env.anchor(res.observation)
+      # A faulted call did not act: the state, hence its anchor, is the one before it.
+      out.anchor[r] = self.anchors[r] if fault else self.env.anchor(res.observation)
+      self.anchors[r] = int(out.anchor[r])
       out.terminated[r] = (res.terminated or res.violation) and ok
       out.done[r] = res.terminated or res.truncated or res.violation or res.env_error
       out.success[r] = res.success and out.terminated[r] and not res.violation
@@ -737,7 +771,16 @@ class _HostRows:
     return (self.codec.render_observation(text), lambda: self.codec.observation_turn_text(text))
 
   def episode_info(self) -> dict:
-    return {"difficulty": np.array([self.env.task_difficulty(t) for t in self.tasks], np.int32)}
+    """Each row's difficulty and the environment's `episode_info` facts (`[B]` arrays)."""
+    facts = [self.env.episode_info(t, i) for t, i in zip(self.tasks, self.infos)]
+    keys = set(facts[0]) if facts else set()
+    if any(set(f) != keys for f in facts):
+      odd = next(set(f) for f in facts if set(f) != keys)
+      raise ValueError(f"{type(self.env).__name__}.episode_info gave different keys for two "
+                       f"episodes: {sorted(keys)} and {sorted(odd)}; every episode needs the same.")
+    out = {key: np.asarray([f[key] for f in facts]) for key in sorted(keys)}
+    out["difficulty"] = np.array([self.env.task_difficulty(t) for t in self.tasks], np.int32)
+    return out
 
   def finish(self) -> dict:
     self.pool.finish()

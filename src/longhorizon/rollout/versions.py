@@ -9,7 +9,8 @@ Both are `crc32(json) & 0x7FFFFFFF` (non-negative, fits `int32`) of a plain desc
   `version` and public constructor parameters (the instance's attributes not starting with `_`;
   environments store only their parameters on `self`), the wrapped environment nested under `env`.
   Changing a parameter (`horizon`, a fault rate, a tool cost), a wrapper or the class's `version`
-  string changes it; rebuilding the same environment does not.
+  string changes it; rebuilding the same environment does not. A host environment's checks
+  (`envs.host_wrappers.guard`: faults, tool costs, loop detection) enter it as `guards`.
 * `reward_version(spec)`: the field values of the `RewardSpec` (envs/rewards.py).
 
 NumPy arrays enter as their dtype and values; a value with no plain form (e.g. a callable) enters as
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from longhorizon.envs import Environment, HostEnvironment
+from longhorizon.envs.host_wrappers import guards_of
 from longhorizon.envs.rewards import RewardSpec
 
 __all__ = ["env_version", "reward_version"]
@@ -48,8 +50,12 @@ def _fingerprint(description) -> int:
 def _describe(value: Any):
   """A JSON-able description of `value` (see the module docstring)."""
   if isinstance(value, HostEnvironment):
-    return {"class": type(value).__qualname__, "name": value.name, "version": value.version,
-            "params": {k: _describe(v) for k, v in value.params().items()}}
+    out = {"class": type(value).__qualname__, "name": value.name, "version": value.version,
+           "params": {k: _describe(v) for k, v in value.params().items()}}
+    guards = guards_of(value)
+    if guards is not None:  # faults, tool costs, loop detection (envs/host_wrappers.py)
+      out["guards"] = _describe(guards)
+    return out
   if isinstance(value, Environment):
     params = {k: _describe(v) for k, v in vars(value).items() if not k.startswith("_")}
     return {"class": type(value).__qualname__, "name": value.name, "version": value.version,

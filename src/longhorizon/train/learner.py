@@ -46,6 +46,7 @@ from longhorizon import rollout
 from longhorizon.core import episode as episode_lib
 from longhorizon.core import preference
 from longhorizon.core.episode import Termination, to_device
+from longhorizon.envs import host_wrappers
 from longhorizon.envs import tasks as task_suites
 from longhorizon.envs.notebook import Notebook
 from longhorizon.models import (Critic, ModelConfig, PolicyWithValue, Transformer, init_params,
@@ -76,7 +77,8 @@ def key(seed: int, *path: int) -> jax.Array:
 def make_env(config) -> envs.Environment | envs.HostEnvironment:
   """The configured environment with its wrappers (TimeLimit innermost); its reward is
   `config.reward` (when the config has that section; `envs.RewardSpec` fields). A host environment
-  gets no JAX wrappers (the loop's `env.max_steps` limits it) and its pool options from
+  gets no JAX wrappers (the loop's `env.max_steps` limits it): its faults, tool costs and loop
+  detection run around its calls (`envs.host_wrappers.guard`), its pool options from
   `config.pool`."""
   params = dict(config.env.params)
   if "reward" in config:
@@ -109,13 +111,16 @@ def make_env(config) -> envs.Environment | envs.HostEnvironment:
 
 
 def _host_env(config, env: envs.HostEnvironment) -> envs.HostEnvironment:
-  wrapped = [name for name, on in (("env.faults", config.env.faults and sum(config.env.faults.values())),
-                                   ("env.tool_costs", config.env.tool_costs),
-                                   ("env.loop_k", config.env.loop_k)) if on]
-  if wrapped:
-    raise config_lib.ConfigError(
-        f"config.env.name={config.env.name!r} is a host (plain-Python) environment: {wrapped} "
-        "are JAX wrappers; a host environment reports its own costs and faults (StepResult).")
+  """Faults, tool costs and loop detection as the rollout loop applies them around a host
+  environment's calls (`envs/host_wrappers.py`: the JAX wrappers' semantics), and the pool."""
+  if config.env.faults or config.env.tool_costs or config.env.loop_k:
+    try:
+      faults = {k: dict(v) if hasattr(v, "items") else v for k, v in config.env.faults.items()}
+      host_wrappers.guard(env, faults=faults,
+                          env_error_kinds=tuple(config.env.env_error_kinds),
+                          tool_costs=dict(config.env.tool_costs or {}), loop_k=config.env.loop_k)
+    except ValueError as e:  # an unknown kind or tool, rates past 1
+      raise config_lib.ConfigError(f"env.faults / env.tool_costs / env.loop_k: {e}") from None
   if "pool" in config:
     pool_lib.configure_pool(env, **PoolOptions.from_config(config).pool_kwargs())
   return env
