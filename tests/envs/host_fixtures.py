@@ -22,6 +22,7 @@ changes, which only the pre-step snapshot (or a replay on a fresh instance) undo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -118,6 +119,23 @@ class Counter(HostEnvironment):
     if kind == "exit":
       os._exit(1)
     raise ValueError(f"unknown fault kind {kind!r}")
+
+
+class Drifting(Counter):
+  """`Counter` whose answers name the instance (a count of instances made in this process): not a
+  function of (task, seed, actions), so a lost row cannot be rebuilt by replay."""
+
+  name = "drifting"
+  made = 0
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    type(self).made += 1
+    self._instance = type(self).made
+
+  def step(self, action):
+    result = super().step(action)
+    return dataclasses.replace(result, observation=f"{result.observation} step {self._instance}")
 
 
 class FaultyCounter(Counter):

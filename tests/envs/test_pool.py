@@ -160,6 +160,24 @@ def test_no_snapshot_retry_rebuilds_by_replay(tmp_path, clean_runs):
   assert stats.as_dict()["pool/validity_rate"] == 1.0
 
 
+def test_a_replay_that_answers_otherwise_is_an_environment_error(tmp_path):
+  """The same faults as above on an environment whose answers are not a function of (task, seed,
+  actions): the rows that lose their instance cannot be rebuilt (the replayed step answers
+  otherwise) and end as environment errors, masked, instead of going on from another state; the
+  other rows are untouched."""
+  n, g = 2, 3
+  env = configure_pool(hf.Drifting(faults=((0, 1, "raise"),), marker_dir=str(tmp_path), **REWARD),
+                       backend="thread", retries=1)
+  batch, stats = _collect(env, n, g)
+  err = np.asarray(batch.env_error).any(-1)
+  # The group's rows share the task's seed, so the fault fires once, in whichever of task 0's rows
+  # makes its second call first; that row loses its instance. Task 1's rows never fault.
+  assert err[:g].sum() == 1 and not err[g:].any()
+  assert stats.as_dict()["pool/validity_rate"] == pytest.approx(5 / 6)
+  assert stats.as_dict()["pool/retries"] == 1  # the failed call, then its failed rebuild
+  _check_masking(batch, err)
+
+
 def test_process_backend_worker_crash_and_hang(tmp_path, clean_runs):
   n, g = 2, 2
   schedule = ((0, 1, "exit"), (1, 0, "hang"), (1, 2, "mutate"))

@@ -22,7 +22,11 @@ error) is retried up to `retries` times (seed §3.4: retry, and only if still fa
 from the pre-step snapshot when the environment has one (`snapshot`/`restore`: the failed attempt
 leaves no trace); a row whose instance is lost (a timed-out thread still runs, a worker process
 died) or whose failed step left an unknown state (no snapshot) is rebuilt on a fresh instance by
-`reset(task, seed)` and replaying the row's actions so far.
+`reset(task, seed)` and replaying the row's actions so far; each replayed step must answer what
+it answered the first time (its observation, ending and success), else the rebuild fails
+(`ReplayDiverged`, retried, then an environment error): a state that cannot be reproduced is never
+continued silently. An environment whose answers are not a function of (task, seed, actions)
+needs `snapshot`/`restore`, and still fails the check when it loses an instance.
 After the budget the row's answer is an environment error (`StepResult(env_error=True)`); the loop
 ends the episode as `ENV_ERROR`, kept in the batch with weight 0. A crashed worker process is
 replaced.
@@ -47,6 +51,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import importlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -54,6 +59,7 @@ import signal
 import threading
 import time
 import traceback
+import zlib
 from typing import Any, Callable
 
 from longhorizon.envs.host import HostEnvironment, Observation, StepResult, parse_call
@@ -78,6 +84,10 @@ class RateLimited(Exception):
 
 class CallTimeout(Exception):
   """A call exceeded the pool's per-call timeout."""
+
+
+class ReplayDiverged(RuntimeError):
+  """Rebuilding a lost row: a replayed action answered otherwise than it did the first time."""
 
 
 class WorkerCrashed(Exception):
@@ -130,9 +140,17 @@ def _guarded_step(env: HostEnvironment, action: str) -> StepResult:
   return result
 
 
+def _digest(result: StepResult) -> int:
+  """What a replayed step must answer again: its observation, ending and success."""
+  return zlib.crc32(f"{result.observation}\x00{result.terminated}\x00{result.success}".encode())
+
+
 def _rebuild(factory, old: HostEnvironment | None, task: dict, seed: int,
-             history: list[str]) -> HostEnvironment:
-  """A fresh instance at the row's state: `reset(task, seed)` and the actions so far replayed."""
+             history: list) -> HostEnvironment:
+  """A fresh instance at the row's state: `reset(task, seed)` and the actions so far replayed.
+  `history` holds `(action, digest of its answer)` pairs (`_digest`; digest None where it is not
+  known: the prefix a branch row got from its parent), or bare actions, replayed unchecked. Raises
+  `ReplayDiverged` when a replayed step answers otherwise."""
   if old is not None:
     try:
       old.close()
@@ -140,8 +158,16 @@ def _rebuild(factory, old: HostEnvironment | None, task: dict, seed: int,
       pass
   env = factory()
   env.reset(task, seed)
-  for action in history:
-    env.step(action)
+  for i, entry in enumerate(history):
+    action, digest = entry if isinstance(entry, (tuple, list)) else (entry, None)
+    result = env.step(action)
+    if digest is not None and (not isinstance(result, StepResult) or _digest(result) != digest):
+      _quiet_close(env)
+      answer = result.observation if isinstance(result, StepResult) else result
+      raise ReplayDiverged(
+          f"rebuilding a lost row of {type(env).__name__}: replayed action {i} {action!r:.60} "
+          f"answered {str(answer)!r:.80}, not what it answered before; its answers are not a "
+          "function of (task, seed, actions), so the row's state cannot be rebuilt.")
   return env
 
 
@@ -498,6 +524,8 @@ class _Row:
   task: dict
   seed: int
   history: list = dataclasses.field(default_factory=list)  # actions applied so far
+  # the digest of each action's answer (`_digest`; None where not known: a forked row's prefix)
+  answers: list = dataclasses.field(default_factory=list)
   log: list = dataclasses.field(default_factory=list)  # recorded calls (record mode)
   failed: bool = False
   record: bool = True  # written to record_path (not a branch row: it has no reset of its own)
@@ -569,6 +597,7 @@ class EnvPool:
     for r, result in out.items():
       if not result.env_error:
         self.rows[r].history.append(actions[r])
+        self.rows[r].answers.append(_digest(result))
       self._log(r, {"action": actions[r], "result": _as_json(result)})
     return out
 
@@ -586,7 +615,8 @@ class EnvPool:
     `reset(task, seed)`, as a lost row is. Branch rows are not written to `record_path` (a replay
     needs an episode's own reset)."""
     self._ensure(len(sources))
-    self.rows = [_Row(task=dict(t), seed=int(s), history=list(h), record=False)
+    self.rows = [_Row(task=dict(t), seed=int(s), history=list(h), answers=[None] * len(h),
+                      record=False)
                  for t, s, h, _ in sources]
     done = self._map({r: ("restore_from", (src[0], src[1], src[3]))
                       for r, src in enumerate(sources) if src[3] is not None}, oracle=True)
@@ -734,7 +764,8 @@ class EnvPool:
     row = self.rows[r]
     for _ in range(3):
       if method not in _STARTS and self.backend.lost(r):
-        self.backend.rebuild(r, row.task, row.seed, list(row.history), self.timeout_s)
+        replay = list(itertools.zip_longest(row.history, row.answers[:len(row.history)]))
+        self.backend.rebuild(r, row.task, row.seed, replay, self.timeout_s)
       try:
         return self.backend.call(r, method, args, self.timeout_s)
       except _Lost:
