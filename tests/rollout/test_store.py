@@ -260,6 +260,45 @@ def test_append_filters_keep_only_valid_episodes(tmp_path, collected):
 
 # --------------------------------------------------------------------------------------- dedup
 
+def test_readers_keep_the_episodes_of_their_own_environment_and_reward(tmp_path, collected,
+                                                                       env):
+  """`matching_versions`: the rows carry each episode's env and reward versions; a reader keeps
+  those of its own, warns about the others, and names what the store holds when nothing matches;
+  `stored_demonstrations` (sft.store) applies it with the run's environment."""
+  from longhorizon.train.learner import stored_demonstrations
+  batch, stats = collected
+  b = batch.batch_size
+  store = TrajectoryStore(tmp_path / "s")
+  store.append(batch, update=1, info=stats.episode_info)  # this environment's episodes
+  other = batch.replace(env_version=np.full((b,), 7, np.int32),
+                        reward_version=np.full((b,), 9, np.int32))
+  store.append(other, update=2, info=stats.episode_info)
+  rows = store.rows()
+  own = rollout.env_version(env)
+  assert (rows.env_version[:b] == own).all() and (rows.env_version[b:] == 7).all()
+  assert (rows.reward_version[b:] == 9).all()
+  kept = store_lib.matching_versions(rows, "test", env_version=own)
+  np.testing.assert_array_equal(kept.update, np.ones((b,)))
+  kept = store_lib.matching_versions(rows, "test", env_version=7, reward_version=9)
+  np.testing.assert_array_equal(kept.update, np.full((b,), 2))
+  with pytest.raises(store_lib.StoreError, match=r"'env_version': \{%d: %d, 7: %d\}" % (own, b, b)
+                     if own < 7 else r"'env_version': \{7: %d, %d: %d\}" % (b, own, b)):
+    store_lib.matching_versions(rows, "test", env_version=5)
+  with pytest.raises(ValueError, match="unknown version field"):
+    store_lib.matching_versions(rows, "test", policy_version=1)
+  # The filter comes before dedup: the second file repeats the first's episodes (the same keys,
+  # appended later), yet this environment's copies are the ones kept.
+  kept = store.rows(dedup=True, versions={"env_version": own})
+  assert (kept.env_version == own).all() and len(kept) == len(store.rows(dedup=True))
+  # sft.store: only this environment's successes count.
+  own_ok = rows.take((rows.env_version == own) & rows.success & (rows.termination == 1))
+  distinct = len(set(own_ok.key.tolist()))
+  demos = stored_demonstrations(str(tmp_path / "s"), distinct, 128, MAX_STEPS, env_version=own)
+  assert (np.asarray(demos.env_version) == own).all() and demos.batch_size == distinct
+  with pytest.raises(store_lib.StoreError, match="none of its"):
+    stored_demonstrations(str(tmp_path / "s"), 1, 128, MAX_STEPS, env_version=own + 1)
+
+
 def test_keys_are_canonical_state_action_sequences(collected):
   batch, _ = collected
   batch = jax.tree.map(np.asarray, batch)

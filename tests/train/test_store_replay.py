@@ -27,7 +27,8 @@ def _rows(spec):
         success=np.asarray(successes, bool), termination=np.zeros((n,), np.int32),
         env_error=np.zeros((n,), bool), milestones=np.zeros((n,), np.int64),
         invalid_actions=np.zeros((n,), np.int64), group=np.full((n,), group, np.int64),
-        score=np.asarray(scores, np.float32)))
+        score=np.asarray(scores, np.float32), env_version=np.zeros((n,), np.int64),
+        reward_version=np.zeros((n,), np.int64)))
   return Rows.concatenate(parts)
 
 

@@ -53,6 +53,10 @@ another `[layers, k]` in another) cannot be read together: `StoreError` names th
 component missing from some files reads as 0 there (it added nothing to their rewards), and an
 `EpisodeBatch` field added after a file was written reads as its `empty()` value.
 
+Versions: each episode keeps the environment and reward versions it was produced under
+(`EpisodeBatch.env_version`, `reward_version`); `rows(versions=...)` selects by them
+(`matching_versions`), as the SFT and DPO readers do with their run's.
+
 Host-side NumPy and pyarrow; one writer at a time (the run holding the workdir's lock).
 """
 
@@ -78,7 +82,7 @@ from longhorizon.core.episode import RECOVERY, EpisodeBatch, Termination
 
 __all__ = ["TrajectoryStore", "Priority", "Rows", "StoredFile", "StoreError", "CorruptFileError",
            "SchemaVersionError", "FILTERS", "SCHEMA_VERSION", "episode_keys", "take_rows",
-           "priority_weights", "drop_mask", "KEEP"]
+           "priority_weights", "drop_mask", "KEEP", "matching_versions"]
 
 SCHEMA_VERSION = "1"
 VERSION_KEY = "longhorizon.store.schema_version"
@@ -154,6 +158,8 @@ class Rows:
   invalid_actions: np.ndarray  # [N] int64; -1 where the file has no `info.invalid_actions`
   group: np.ndarray  # [N] int64: `EpisodeBatch.group`, the task-group label within its file
   score: np.ndarray  # [N] float32: `EpisodeBatch.score`, the outcome the group estimators read
+  env_version: np.ndarray  # [N] int64: `EpisodeBatch.env_version` (-1 where the file has none)
+  reward_version: np.ndarray  # [N] int64: `EpisodeBatch.reward_version` (-1 likewise)
 
   def __len__(self) -> int:
     return len(self.row)
@@ -173,7 +179,7 @@ class Rows:
 _ROW_DTYPES = {"path": object, "row": np.int64, "update": np.int64, "written_at": "datetime64[us]",
                "key": object, "success": bool, "termination": np.int32, "env_error": bool,
                "milestones": np.int64, "invalid_actions": np.int64, "group": np.int64,
-               "score": np.float32}
+               "score": np.float32, "env_version": np.int64, "reward_version": np.int64}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -426,6 +432,34 @@ def _pad(batch: EpisodeBatch, length: int, steps: int) -> EpisodeBatch:
 
 _LIGHT = ("update", "written_at", "key", "success", "termination", "env_error", "milestones",
           "group", "score")
+_VERSIONS = ("env_version", "reward_version")
+
+
+def matching_versions(rows: Rows, what: str, **versions: int) -> Rows:
+  """The rows produced under `versions` (`env_version=...`, `reward_version=...`: the reader's
+  own, `rollout.versions`). Episodes of another environment or reward are left out with a
+  warning counting them; when none is left of a non-empty selection, StoreError names the
+  versions the store holds. `what` names the reader in the messages (e.g. "sft.store=...")."""
+  unknown = sorted(set(versions) - set(_VERSIONS))
+  if unknown:
+    raise ValueError(f"matching_versions: unknown version field(s) {unknown}; use {_VERSIONS}.")
+  keep = np.ones((len(rows),), bool)
+  for name, value in versions.items():
+    keep &= getattr(rows, name) == int(value)
+  if len(rows) and not keep.any():
+    found = {name: dict(zip(*np.unique(getattr(rows, name), return_counts=True)))
+             for name in versions}
+    found = {name: {int(k): int(v) for k, v in c.items()} for name, c in found.items()}
+    raise StoreError(f"{what}: none of its {len(rows)} selected episodes was produced by this "
+                     f"run's environment and reward ({dict(versions)}); it holds {found} "
+                     "(version: episodes). Episodes of another environment, codec or reward "
+                     "would train on other token layouts or outcomes: collect with this config, "
+                     "or read them with TrajectoryStore directly.")
+  if not keep.all():
+    logging.warning("%s: %d of %d selected episodes were produced by another environment or "
+                    "reward than this run's %s; left out.", what, int((~keep).sum()), len(rows),
+                    dict(versions))
+  return rows.take(keep)
 
 
 class TrajectoryStore:
@@ -540,12 +574,15 @@ class TrajectoryStore:
 
   # ---------------------------------------------------------------------------------- reading
   def rows(self, *, filters: Sequence[str] = (), dedup: bool = False,
-           last: int | None = None) -> Rows:
-    """The stored episodes that pass `filters` (names of `FILTERS`, each dropping what it names),
-    then with `dedup` one per `key` (the newest: the last appended), then with `last` the newest
-    `last` of those; in store order."""
+           last: int | None = None, versions: Mapping[str, int] | None = None) -> Rows:
+    """The stored episodes that pass `filters` (names of `FILTERS`, each dropping what it names)
+    and, with `versions`, were produced under them (`matching_versions`), then with `dedup` one
+    per `key` (the newest: the last appended), then with `last` the newest `last` of those; in
+    store order."""
     rows = Rows.concatenate([self._rows_of(f) for f in self.files()])
     rows = rows.take(~drop_mask(rows.termination, rows.env_error, rows.invalid_actions, filters))
+    if versions:
+      rows = matching_versions(rows, f"trajectory store {self.path}", **versions)
     if dedup:
       rows = rows.take(_newest_per_key(rows.key))
     if last is not None:
@@ -606,7 +643,8 @@ class TrajectoryStore:
     """The selection columns of file `f` (cached)."""
     if f.path not in self._rows:
       info = INFO_PREFIX + "invalid_actions"
-      columns = list(_LIGHT) + ([info] if info in f.columns else [])
+      versions = [name for name in _VERSIONS if name in f.columns]
+      columns = list(_LIGHT) + ([info] if info in f.columns else []) + versions
       try:
         t = pq.read_table(f.path, columns=columns)
         env_error = _list_values(t, "env_error", f.max_steps, f.path).astype(bool)
@@ -624,7 +662,9 @@ class TrajectoryStore:
           milestones=np.bitwise_or.reduce(milestones, axis=-1),
           invalid_actions=(col(info).astype(np.int64) if info in columns
                            else np.full((n,), -1, np.int64)),
-          group=col("group").astype(np.int64), score=col("score").astype(np.float32))
+          group=col("group").astype(np.int64), score=col("score").astype(np.float32),
+          **{name: (col(name).astype(np.int64) if name in versions
+                    else np.full((n,), -1, np.int64)) for name in _VERSIONS})
     return self._rows[f.path]
 
   # --------------------------------------------------------------------------------- sampling

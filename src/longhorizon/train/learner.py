@@ -613,7 +613,8 @@ class Learner:
     start = time.perf_counter()
     segments = None  # the demonstrations' earlier context segments (context.mode window/summary)
     if c.sft.get("store"):
-      batch = stored_demonstrations(c.sft.store, n, c.rollout.context_length, c.env.max_steps)
+      batch = stored_demonstrations(c.sft.store, n, c.rollout.context_length, c.env.max_steps,
+                                    env_version=rollout.env_version(self.env))
     else:
       batch, demo_stats = self.oracle_episodes(self.tasks_at(0, n), key(c.seed, 4),
                                                c.sft.demo_epsilon)
@@ -705,14 +706,18 @@ class Learner:
             "env_error_rate": float(np.mean(np.asarray(batch.env_error).any(-1)))}
 
 
-def stored_demonstrations(path: str, n: int, context_length: int, max_steps: int):
+def stored_demonstrations(path: str, n: int, context_length: int, max_steps: int,
+                          env_version: int | None = None):
   """The newest `n` distinct successful episodes of the trajectory store at `path` (no
   environment error, truncation or parse failure; one per canonical action sequence), as one host
   EpisodeBatch padded to `context_length` x `max_steps`: SFT data from earlier runs (rejection
   sampling). Each row trains on its own `loss_mask` (a branch row's copied prefix is its parent's).
-  Raises `StoreError` naming the count when the store holds fewer."""
+  With `env_version` (the learner passes its environment's) only episodes of that environment
+  count (`store.matching_versions`). Raises `StoreError` naming the count when the store holds
+  fewer."""
   store = TrajectoryStore(path)
-  rows = store.rows(filters=KEEP["valid"], dedup=True)
+  versions = None if env_version is None else {"env_version": env_version}
+  rows = store.rows(filters=KEEP["valid"], dedup=True, versions=versions)
   rows = rows.take(rows.success)
   if len(rows) < n:
     raise StoreError(f"sft.store={path!r}: {len(rows)} distinct valid successful episode(s) "

@@ -54,7 +54,9 @@ def preference_stage(s: Learner, state: TrainState, store_dir: str, data_positio
       batch, stats = _sample(s, state.params, data_position, opts)
       store.append(batch, update=STAGE_UPDATE, info=stats.episode_info, meta={"stage": "dpo"})
     sampled, data_position = opts.tasks * opts.group_size, data_position + opts.tasks
-  batch = read_preference_batch(store, opts)
+  versions = dict(env_version=rollout.env_version(s.env),
+                  reward_version=rollout.reward_version(s.env.reward_spec))
+  batch = read_preference_batch(store, opts, versions=versions)
   pairs = preference.preference_pairs(batch, level=opts.level, min_gap=opts.min_gap)
   usable = len(pairs) - len(pairs) % opts.minibatches
   info = {"episodes": sampled, "source": store.path, "stored_episodes": int(batch.batch_size),
@@ -84,11 +86,14 @@ def _sample(s: Learner, params, data_position: int, opts: PreferenceOptions):
       task_seed=c.tasks.seed, policy_version=0)
 
 
-def read_preference_batch(store: TrajectoryStore, opts: PreferenceOptions):
+def read_preference_batch(store: TrajectoryStore, opts: PreferenceOptions,
+                          versions: dict | None = None):
   """The episodes the stage pairs: those of `store` passing `opts.keep`'s filters (with the run's
   own store, only the stage's own, stored as update `STAGE_UPDATE`), as one host EpisodeBatch whose
-  `group` labels are made distinct per stored file (labels repeat across runs and stages)."""
-  rows = store.rows(filters=KEEP[opts.keep])
+  `group` labels are made distinct per stored file (labels repeat across runs and stages). With
+  `versions` (`env_version`, `reward_version`: the stage passes its run's) only episodes produced
+  under them are paired: a preference is a comparison of scores under one reward."""
+  rows = store.rows(filters=KEEP[opts.keep], versions=versions)
   if not opts.store:
     rows = rows.take(rows.update == STAGE_UPDATE)
   files = {f.path: i for i, f in enumerate(store.files())}
