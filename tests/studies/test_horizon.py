@@ -261,9 +261,9 @@ def test_committed_smoke_cell_reproduces_exactly(tmp_path):
   from longhorizon.eval import provenance  # pylint: disable=g-import-not-at-top
   session = json.loads((REFERENCE / "sweep.json").read_text())["sessions"][-1]
   made, here = session["provenance"], provenance.provenance()
-  # The model name alone can hide another ISA (two "AMD EPYC" machines gave other SFT numbers):
-  # compared too when the reference recorded it.
-  made_id = made.get("cpu_id", here["cpu_id"])
+  # The model name alone can hide another CPU (two "AMD EPYC" machines, and two "Intel Xeon
+  # Processor" ones, gave other numbers): a reference without the CPU's id is stale everywhere.
+  made_id = made.get("cpu_id")
   if (made["cpu"], made_id, made["packages"]) != (here["cpu"], here["cpu_id"], here["packages"]):
     pytest.skip(f"the reference was made on {made['cpu']!r} {made.get('cpu_id', '')} with "
                 f"{made['packages']}, "
