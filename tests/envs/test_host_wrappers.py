@@ -189,3 +189,6 @@ def test_the_config_guards_a_host_environment():
   config.env.faults = {"meteor": 0.1}
   with pytest.raises(config_lib.ConfigError, match="env.faults"):
     make_env(config)
+  config.env.faults, config.rollout.branch_k = {"timeout": 0.1}, 1
+  with pytest.raises(config_lib.ConfigError, match="rollout.branch_k"):
+    make_env(config)

@@ -625,7 +625,7 @@ class _HostRows:
     self.names = {name: i for i, name in enumerate(env.milestone_names)}
     # Branch rollouts: each step's snapshots `{row: snapshot or None}`.
     self.keep_history, self.track_oracle, self.snapshots = False, False, []
-    self.guarded, self.anchors = None, []  # set by `start` / `resume`
+    self.guarded, self.anchors, self.infos = None, [], []  # set by `start` / `resume`
 
   def fork(self, parents, steps, milestones) -> "_HostRows":
     """Rows in saved states: row `i` in row `parents[i]`'s state before its step `steps[i]`

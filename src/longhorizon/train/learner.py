@@ -114,6 +114,12 @@ def _host_env(config, env: envs.HostEnvironment) -> envs.HostEnvironment:
   """Faults, tool costs and loop detection as the rollout loop applies them around a host
   environment's calls (`envs/host_wrappers.py`: the JAX wrappers' semantics), and the pool."""
   if config.env.faults or config.env.tool_costs or config.env.loop_k:
+    forks = [name for name in ("branch_k", "recovery_groups") if config.rollout.get(name)]
+    if config.env.faults and forks:
+      raise config_lib.ConfigError(
+          f"config.env.faults with rollout.{forks[0]}: branch and recovery rollouts of a host "
+          "environment replay the pool's history to reach a saved state, which a faulted call "
+          "(never made) would put out of step; set one of them to 0.")
     try:
       faults = {k: dict(v) if hasattr(v, "items") else v for k, v in config.env.faults.items()}
       host_wrappers.guard(env, faults=faults,
