@@ -126,17 +126,19 @@ def test_kl_reference_warm_start_freezes_the_adapters_alone(tmp_path):
   assert np.abs(base - warm_logp)[mask].max() > 1e-3  # SFT moved the adapters off the base
   state = jax.device_get(state)
   timer, metrics = Timer(), []
-  for update in range(2):
+  for update in range(6):  # until the policy moves (a batch whose groups all tie gives no step)
     state, m = s.step(state, update, 16 + 4 * update, timer)
     metrics.append(m)
+    moved = np.asarray(s.logprobs(state.params, db))
+    if update >= 1 and np.abs(moved - warm_logp)[mask].max() > 1e-3:
+      break
   np.testing.assert_allclose(np.asarray(s.reference_logprobs(state, db))[mask],
                              warm_logp[mask], atol=1e-6)  # frozen: still the warm start
-  moved = np.asarray(s.logprobs(state.params, db))
   assert np.abs(moved - warm_logp)[mask].max() > 1e-3
   # the KL is taken to the warm start: after two updates the policy is far nearer it than the
   # base (this does not isolate the KL's pull; two small updates would stay near it anyway)
   assert np.abs(moved - warm_logp)[mask].mean() < np.abs(moved - base)[mask].mean() / 4
-  assert all(m["kl_ref"] > 0 for m in metrics)
+  assert metrics[-1]["kl_ref"] > 0  # the update that moved the policy paid a KL to the warm start
 
 
 def test_lora_update_is_traced_once(trained, assert_no_retrace):
