@@ -110,6 +110,7 @@ class GuardedRows:
     self.rates = {tool: dict(kinds) for tool, kinds in guards.faults}
     self.costs = dict(guards.tool_costs)
     self.seen = [collections.deque(maxlen=guards.loop_window) for _ in self.seeds]
+    self.calls: dict[int, tuple[str | None, str]] = {}  # row -> its current call, parsed once
 
   def _call(self, text: str) -> tuple[str | None, str]:
     """`(tool name or None when not well-formed, canonical action)`."""
@@ -124,7 +125,7 @@ class GuardedRows:
   def before(self, r: int, text: str) -> StepResult | None:
     """Row `r`'s answer when its call `text` faults (the call is not made), else None."""
     step, self.steps[r] = self.steps[r], self.steps[r] + 1
-    tool, _ = self._call(text)
+    tool, _ = self.calls[r] = self._call(text)
     rates = self.rates.get(tool) if tool is not None else None
     if not rates:
       return None
@@ -143,7 +144,7 @@ class GuardedRows:
     """The answer `result` to row `r`'s call `text` made in the state of anchor `anchor`, with the
     call's tool cost and, on the `loop_k`-th repeat, the loop stop."""
     faulted = bool(result.info.get("fault"))
-    tool, canonical = self._call(text)
+    tool, canonical = self.calls.pop(r, None) or self._call(text)
     if tool is not None and not faulted and not result.env_error and self.costs.get(tool):
       result = dataclasses.replace(result, cost=result.cost + float(self.costs[tool]))
     if self.guards.loop_k and not faulted:
